@@ -1,0 +1,13 @@
+"""nanoserve: a small continuous-batching LLM engine, served through NVIDIA Triton Inference Server."""
+from nanoserve.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in torch models and the engine; import it lazily so light users (the CLI, clients) stay light.
+    if name == "LLM":
+        from nanoserve.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams"]

@@ -1,0 +1,92 @@
+"""Build small random-weight Hugging Face checkpoints locally (no download): the default demo model,
+and the models the tests compare against `transformers`.
+
+    python -m nanoserve.tiny_model OUT_DIR [--arch qwen3|qwen2|llama]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ARCHS = ("qwen3", "qwen2", "llama")
+
+
+def _training_files() -> list[str]:
+    """Local text to train the tokenizer on: licenses and some stdlib sources (always present)."""
+    files = sorted(glob.glob("/usr/share/common-licenses/*"))[:20]
+    stdlib = os.path.dirname(os.__file__)
+    files += [os.path.join(stdlib, name) for name in ("LICENSE.txt", "textwrap.py", "argparse.py", "json/decoder.py")]
+    return [f for f in files if os.path.isfile(f)]
+
+
+def build_tokenizer(vocab_size: int = 1024):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train(_training_files(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def hf_config(arch: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  initializer_range=0.5, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=2, dtype="float32")
+    if arch == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": 16, **overrides})
+    if arch == "qwen2":
+        return Qwen2Config(**{**common, **overrides})
+    if arch == "llama":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+        return LlamaConfig(**{**common, "rope_scaling": rope, "rope_theta": 500000.0, **overrides})
+    raise ValueError(f"arch: must be one of {ARCHS}, got {arch!r}")
+
+
+def build_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, max_shard_size: str | None = None,
+                     **config_overrides) -> str:
+    """Write config.json + safetensors + tokenizer for a random-weight model into out_dir; returns out_dir.
+    initializer_range 0.5 gives varied greedy text, so token-equality tests mean something."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = hf_config(arch, vocab_size=len(tokenizer), **config_overrides)
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    build_tiny_model(args.out_dir, args.arch, args.seed)
+    print(f"wrote a random-weight {args.arch} checkpoint to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

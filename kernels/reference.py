@@ -1,0 +1,104 @@
+"""Plain-torch references for every kernel. Also the `attention_backend="torch"` implementation.
+
+KV cache layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+A token's slot is block_id * block_size + offset; slot -1 marks a padded token (not stored).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into the paged cache at slot_mapping [num_tokens]."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (which already holds
+    the new tokens' K/V). Sequence b owns q rows query_start_loc[b]:query_start_loc[b+1], the last rows
+    of its seq_lens[b] positions. Works for prefill (with a cached prefix), chunked prefill and decode."""
+    out = torch.empty_like(q)
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    starts = query_start_loc[:-1].tolist()
+    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
+    if decode_rows:
+        rows = torch.tensor(decode_rows, device=q.device)
+        token_idx = query_start_loc[:-1][rows].long()
+        out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+    seq_lens_list = seq_lens.tolist()
+    for b, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        start, ctx = starts[b], seq_lens_list[b]
+        k, v = _gather_context(k_cache, v_cache, block_tables[b], ctx)
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
+        out[start:start + q_len] = _sdpa(q[start:start + q_len].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                         mask[None, None], scale)[0]
+    return out
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence, q [batch, num_heads, head_dim], batched over padded contexts."""
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].long().clamp(min=0)
+    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [batch, max_len, kv_heads, head_dim]
+    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [batch, max_len]
+    return _sdpa(q.unsqueeze(1), k, v, mask[:, None, None, :], scale)[:, 0]
+
+
+def _gather_context(k_cache, v_cache, block_table, ctx):
+    block_size = k_cache.shape[1]
+    blocks = block_table[:-(-ctx // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:ctx]
+    v = v_cache[blocks].flatten(0, 1)[:ctx]
+    return k, v
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q [B, Lq, H, D], k/v [B, Lk, KVH, D], boolean mask broadcastable to [B, H, Lq, Lk] -> [B, Lq, H, D]."""
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
+                                         v.transpose(1, 2).to(q.dtype), attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32.to(x.dtype) * weight
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual), as HF computes it in the residual stream dtype."""
+    summed = x + residual
+    return rms_norm_ref(summed, weight, eps), summed
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Neox-style (rotate-half) RoPE as HF Llama/Qwen apply it. q [T, H, D], k [T, KVH, D], cos/sin [T, D//2]."""
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        c, s = cos[:, None, :].float(), sin[:, None, :].float()
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+    return rotate(q), rotate(k)
