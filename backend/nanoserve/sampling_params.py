@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 
 MAX_LOGPROBS = 20
@@ -31,8 +32,8 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self._validate()
 
     @property
@@ -111,6 +112,14 @@ def _parse(name: str, kind: str, value):
     return value
 
 
+def _as_list(name, value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: expected a list, got {value!r}")
+    return list(value)
+
+
 def _check_int(name, value, minimum, optional=False):
     if value is None and optional:
         return
@@ -123,8 +132,17 @@ def _check_int(name, value, minimum, optional=False):
 def _check_number(name, value, lo=None, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name}: expected a number, got {value!r}")
+    if not _is_finite(value):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+
+
+def _is_finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check_bool(name, value):

@@ -1,0 +1,6 @@
+"""Model implementations. `get_model_class(hf_config)(hf_config, attention_backend)`, then
+`load_weights(model, model_dir)`."""
+from nanoserve.models.loader import load_weights
+from nanoserve.models.registry import MODELS, get_model_class
+
+__all__ = ["MODELS", "get_model_class", "load_weights"]

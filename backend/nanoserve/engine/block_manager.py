@@ -1,0 +1,194 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts and a prefix cache keyed by chained hashes.
+
+A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
+hashes mean equal prefixes. Freed blocks keep their hash and stay findable until they are reused for other
+content; free blocks are reused least-recently-freed first.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+
+import xxhash
+
+from nanoserve.engine.sequence import Sequence
+
+NO_HASH = -1
+
+
+def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
+    """Hash of one full block; prev_hash is NO_HASH for the first block of a sequence."""
+    data = array("i", token_ids).tobytes()
+    if prev_hash != NO_HASH:
+        data = prev_hash.to_bytes(8, "little") + data
+    return xxhash.xxh64_intdigest(data)  # unsigned, so never NO_HASH
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = NO_HASH
+        self.token_ids: list[int] | None = None  # kept with the hash to verify cache hits
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.hash_to_block_id: dict[int, int] = {}
+        self._num_hashed_blocks = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ---- stats ----
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a valid hash, in use or free."""
+        return self._num_hashed_blocks
+
+    # ---- admission ----
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Give a newly admitted sequence the longest run of cached blocks matching its tokens; returns the
+        number of tokens hit. The block holding the last token is never taken, so at least one token is
+        computed (its logits are needed to sample)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        hit_blocks = self._find_cached_prefix(seq.token_ids) if self.enable_prefix_caching else []
+        for block in hit_blocks:
+            if block.ref_count == 0:
+                del self.free_block_ids[block.block_id]
+            block.ref_count += 1
+        seq.block_table = [block.block_id for block in hit_blocks]
+        hit_tokens = len(hit_blocks) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = hit_tokens
+        self.prefix_cache_hit_tokens += hit_tokens
+        return hit_tokens
+
+    def undo_cached_prefix(self, seq: Sequence) -> None:
+        """Give back what allocate_cached_prefix took when the sequence cannot be admitted after all."""
+        self.prefix_cache_hit_tokens -= seq.num_cached_tokens
+        seq.num_cached_tokens = 0
+        self.free(seq)
+
+    def _find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
+        size = self.block_size
+        hits: list[Block] = []
+        prev_hash = NO_HASH
+        for i in range((len(token_ids) - 1) // size):
+            block_tokens = token_ids[i * size:(i + 1) * size]
+            prev_hash = chain_hash(prev_hash, block_tokens)
+            block_id = self.hash_to_block_id.get(prev_hash)
+            if block_id is None or self.blocks[block_id].token_ids != block_tokens:
+                break
+            hits.append(self.blocks[block_id])
+        return hits
+
+    # ---- growth ----
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so the table covers num_computed_tokens + num_new_tokens positions."""
+        covered = seq.num_computed_tokens + num_new_tokens
+        return max(0, (covered + self.block_size - 1) // self.block_size - len(seq.block_table))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self.num_blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != NO_HASH:  # its cached content is overwritten now
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = NO_HASH
+            block.token_ids = None
+            self._num_hashed_blocks -= 1
+        block.ref_count = 1
+        return block_id
+
+    # ---- after a step ----
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Hash and register the blocks that became full and computed since the last call.
+
+        Hashed blocks always form a prefix of the table, so the first unhashed one is found by walking back
+        from the last full block: O(1) on a decode step."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        table, blocks = seq.block_table, self.blocks
+        first_unhashed = num_full
+        while first_unhashed > 0 and blocks[table[first_unhashed - 1]].hash == NO_HASH:
+            first_unhashed -= 1
+        for i in range(first_unhashed, num_full):
+            self._register(blocks[table[i]], blocks[table[i - 1]].hash if i else NO_HASH, seq.token_ids, i)
+
+    def _register(self, block: Block, prev_hash: int, token_ids: list[int], index: int) -> None:
+        block.token_ids = token_ids[index * self.block_size:(index + 1) * self.block_size]
+        block.hash = chain_hash(prev_hash, block.token_ids)
+        self._num_hashed_blocks += 1
+        # Another block with the same content may already be registered (two sequences prefilled the same
+        # prefix at once); keep that one, this block still carries the hash for chaining.
+        self.hash_to_block_id.setdefault(block.hash, block.block_id)
+
+    # ---- release ----
+    def free(self, seq: Sequence) -> None:
+        """Release the sequence's blocks tail-first, so its prefix blocks are the last to be evicted."""
+        blocks = self.blocks
+        for block_id in reversed(seq.block_table):
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    # ---- testing aid ----
+    def check_invariants(self, live_seqs: list[Sequence]) -> None:
+        """Assert the bookkeeping is consistent with the sequences that hold blocks (O(blocks + tokens))."""
+        ref_counts = [0] * len(self.blocks)
+        for seq in live_seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"block repeated in {seq}"
+            for block_id in seq.block_table:
+                ref_counts[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == ref_counts[block.block_id], (block, ref_counts[block.block_id])
+            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), block
+            assert (block.hash == NO_HASH) == (block.token_ids is None), block
+        assert self._num_hashed_blocks == sum(b.hash != NO_HASH for b in self.blocks)
+        for block_hash, block_id in self.hash_to_block_id.items():
+            block = self.blocks[block_id]
+            assert block.hash == block_hash and len(block.token_ids) == self.block_size, block
+        for seq in live_seqs:
+            self._check_table_hashes(seq)
+
+    def _check_table_hashes(self, seq: Sequence) -> None:
+        """Hashed blocks form a prefix of the table and each matches the sequence's content and chain."""
+        num_hashed = sum(self.blocks[b].hash != NO_HASH for b in seq.block_table)
+        if self.enable_prefix_caching:  # every full computed block is registered after a step
+            assert num_hashed == seq.num_computed_tokens // self.block_size, seq
+        prev_hash = NO_HASH
+        for i, block_id in enumerate(seq.block_table[:num_hashed]):
+            block = self.blocks[block_id]
+            assert (i + 1) * self.block_size <= seq.num_computed_tokens, (seq, block)
+            expected_tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            assert block.token_ids == expected_tokens, (seq, block)
+            assert block.hash == chain_hash(prev_hash, expected_tokens), (seq, block)
+            prev_hash = block.hash

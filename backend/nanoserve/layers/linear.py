@@ -1,0 +1,143 @@
+"""Tensor-parallel linear layers (Megatron style). Weights are [out, in] like nn.Linear.
+
+Column-parallel layers split the output dim across ranks and need no communication; row-parallel layers
+split the input dim and all-reduce their partial sums. Every parameter carries a
+`weight_loader(param, loaded, shard_id=None)` that copies this rank's part of a full checkpoint tensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch: parameter (shard) has {tuple(dst.shape)}, checkpoint gives {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+def take_shard(loaded: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+    """loaded.narrow(dim, start, size), after checking that loaded is the full (unsharded) tensor."""
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"shape mismatch: expected size {full} along dim {dim}, checkpoint gives {tuple(loaded.shape)}")
+    return loaded.narrow(dim, start, size)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    copy_checked(param.data, loaded)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor_parallel_size={denominator}")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def weight_loader(self, param, loaded, shard_id=None):
+        copy_checked(param.data, loaded)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dim split across ranks; each rank returns its slice of the output."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, get_tp_size()), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = param.shape[0]
+        copy_checked(param.data, take_shard(loaded, 0, size * self.tp_size, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections in one matmul (gate_up_proj); shard_id is the index of the
+    sub-projection. Each rank holds its slice of every sub-projection, concatenated."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.shard_ids = tuple(range(len(output_sizes)))
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id is None:
+            raise ValueError(f"{type(self).__name__} needs a shard_id in {self.shard_ids}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = take_shard(loaded, 0, self.output_sizes[shard_id], self.tp_rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused, split by heads. With fewer kv heads than ranks, kv heads are
+    replicated so that each rank keeps one."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size, tp_rank = get_tp_size(), get_tp_rank()
+        self.head_dim = head_dim
+        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
+        self.num_heads = divide(num_heads, tp_size)
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(num_kv_heads, tp_size)
+            self.kv_head_start = tp_rank * self.num_kv_heads
+        else:
+            divide(tp_size, num_kv_heads)
+            self.num_kv_heads = 1
+            self.kv_head_start = tp_rank * num_kv_heads // tp_size
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias)
+        self.shard_ids = ("q", "k", "v")
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if shard_id == "q":
+            dst_offset, size, src_start = 0, self.q_size, self.tp_rank * self.q_size
+            full = self.total_num_heads * self.head_dim
+        elif shard_id in ("k", "v"):
+            dst_offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, src_start = self.kv_size, self.kv_head_start * self.head_dim
+            full = self.total_num_kv_heads * self.head_dim
+        else:
+            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
+        copy_checked(param.data.narrow(0, dst_offset, size), take_shard(loaded, 0, full, src_start, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input dim split across ranks (the input is a column-parallel output); partial sums are all-reduced.
+    The bias is added once, on rank 0, before the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # bias: not sharded
+            copy_checked(param.data, loaded)
+            return
+        size = param.shape[1]
+        copy_checked(param.data, take_shard(loaded, 1, size * self.tp_size, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

@@ -1,0 +1,104 @@
+"""Offline batch generation: `LLM(model_dir, **engine_args).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None  # per generated token, when SamplingParams.logprobs is set
+
+    def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
+        self.text += out.text_delta
+        self.token_ids.extend(out.new_token_ids)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens
+        self.cumulative_logprob = out.cumulative_logprob
+        if wants_logprobs:
+            self.logprobs = (self.logprobs or []) + out.new_logprobs
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[CompletionOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        outputs: dict[str, CompletionOutput] = {}
+        try:
+            for prompt, sp in zip(prompts, params):
+                request_id = f"offline-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, sp)
+                outputs[request_id] = CompletionOutput(prompt)
+            self._run(outputs, params, use_tqdm)
+        finally:
+            for request_id in list(self.engine.requests):  # an error mid-batch must not leak blocks
+                if request_id in outputs:
+                    self.engine.abort_request(request_id)
+            self.engine.pending_outputs.clear()
+        return list(outputs.values())
+
+    def _run(self, outputs: dict[str, CompletionOutput], params: list[SamplingParams], use_tqdm: bool) -> None:
+        wants_logprobs = {rid: sp.logprobs is not None for rid, sp in zip(outputs, params)}
+        bar = tqdm(total=len(outputs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        with bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    outputs[out.request_id].add(out, wants_logprobs[out.request_id])
+                    bar.update(1 if out.finished else 0)
+                _show_throughput(bar, self.engine.last_step)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _as_params_list(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    if len(sampling_params) != count:
+        raise ValueError(f"sampling_params: got {len(sampling_params)} for {count} prompts")
+    return list(sampling_params)
+
+
+def _show_throughput(bar, step) -> None:
+    if step.seconds <= 0 or bar.disable:
+        return
+    bar.set_postfix(prefill_tok_s=f"{step.num_prefill_tokens / step.seconds:.0f}",
+                    decode_tok_s=f"{step.num_decode_tokens / step.seconds:.0f}", refresh=False)

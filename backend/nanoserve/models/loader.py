@@ -1,0 +1,63 @@
+"""Load a HF safetensors checkpoint (one file or many shards) into a (tensor-parallel) model."""
+from __future__ import annotations
+
+import glob
+import os
+
+from safetensors import safe_open
+from torch import nn
+
+from nanoserve.layers.linear import default_weight_loader
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Each checkpoint tensor goes through its parameter's weight_loader, which keeps this rank's shard.
+    Raises ValueError naming every missing or unexpected weight."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
+    packed = getattr(model, "packed_modules", {})
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    expected = {(name, shard) for name in params for shard in _shard_ids(model, name)}
+    loaded, unexpected = set(), []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith(IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+                    continue
+                name, shard = _map_name(key, packed)
+                if name not in params:
+                    unexpected.append(key)
+                    continue
+                param = params[name]
+                try:
+                    getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(key), shard)
+                except ValueError as e:
+                    raise ValueError(f"weight {key!r} in {os.path.basename(path)}: {e}") from None
+                loaded.add((name, shard))
+    missing = sorted(f"{name}" + (f" (shard {shard!r})" if shard is not None else "")
+                     for name, shard in expected - loaded)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected weights: {', '.join(sorted(unexpected))}")
+        raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(parts))
+
+
+def _map_name(key: str, packed: dict) -> tuple[str, object]:
+    """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 'k')."""
+    for source, (target, shard) in packed.items():
+        part = f".{source}."
+        if part in key:
+            return key.replace(part, f".{target}."), shard
+    return key, None
+
+
+def _shard_ids(model: nn.Module, param_name: str) -> tuple:
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    return getattr(module, "shard_ids", (None,))

@@ -1,0 +1,352 @@
+"""Run a real `tritonserver` with the nanoserve backend.
+
+Finds the binary (on PATH as in an NGC container, else the one inside the nvidia-pytriton wheel), assembles a
+backend directory (Triton's backends + the Python stub for this interpreter + `nanoserve/model.py`), makes the
+stub import from the current virtualenv, binds 127.0.0.1 and stops the server cleanly.
+
+    with TritonServer("model_repository", http_port=8000, grpc_port=8001, metrics_port=8002) as server:
+        server.wait_ready(timeout=120)
+        ...  # talk to server.url_grpc / server.url_http
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib.util
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+BACKEND_NAME = "nanoserve"
+STUB_NAME = "triton_python_backend_stub"
+SHM_DIR = Path("/dev/shm")
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # backend/nanoserve
+_live_servers: set["TritonServer"] = set()
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    backends: Path  # the install's backends/ directory (holds python/)
+    stub: Path | None  # the stub to put into backends/python/; None: the install already has one there
+    lib_dirs: tuple[Path, ...] = ()  # shared libraries the binary needs on LD_LIBRARY_PATH
+
+
+def find_tritonserver() -> TritonInstall:
+    """`tritonserver` on PATH (an NGC container), else the binary shipped in the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        binary = Path(on_path).resolve()
+        return TritonInstall(binary, binary.parent.parent / "backends", None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("tritonserver: not on PATH and nvidia-pytriton is not installed "
+                                "(pip install 'nanoserve[serve]')")
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / STUB_NAME
+    if not stub.is_file():
+        raise FileNotFoundError(f"nvidia-pytriton ships no Python backend stub for Python {version} ({stub})")
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(root / "bin" / "tritonserver", root / "backends", stub, (libs,) if libs.is_dir() else ())
+
+
+def default_backend_model() -> Path | None:
+    """The repo's backend/model.py (a source checkout or an editable install); None when not installed that way."""
+    path = _PACKAGE_DIR.parent / "model.py"
+    return path if path.is_file() else None
+
+
+def assemble_backend_dir(install: TritonInstall, dest: Path, backend_model: Path | None = None) -> Path:
+    """Fill dest with the install's backends: python/ as a real copy (+ the stub), the others as symlinks
+    (an NGC image's onnxruntime/pytorch backends are GBs), and nanoserve/model.py."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in install.backends.iterdir():
+        if entry.name == "python":
+            shutil.copytree(entry, dest / "python", ignore=shutil.ignore_patterns("__pycache__"))
+        elif entry.name != BACKEND_NAME or backend_model is None:
+            (dest / entry.name).symlink_to(entry)
+    if install.stub is not None:
+        shutil.copy2(install.stub, dest / "python" / STUB_NAME)
+    if not (dest / "python" / STUB_NAME).is_file():
+        raise FileNotFoundError(f"no {STUB_NAME} in {install.backends / 'python'}")
+    if backend_model is not None:
+        (dest / BACKEND_NAME).mkdir()
+        shutil.copy2(backend_model, dest / BACKEND_NAME / "model.py")
+    return dest
+
+
+def stub_environment(install: TritonInstall, base: dict | None = None) -> dict:
+    """The stub's embedded interpreter ignores PYTHONPATH; it finds the virtualenv through the first python on
+    PATH, and needs this interpreter's own libpython (LIBDIR) first, not the system's."""
+    env = dict(os.environ if base is None else base)
+    venv_bin = os.path.dirname(os.path.abspath(sys.executable))  # not resolved: that would leave the venv
+    env["PATH"] = os.pathsep.join([venv_bin, env.get("PATH", "")])
+    libs = [sysconfig.get_config_var("LIBDIR") or "", *map(str, install.lib_dirs), env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in libs if p)
+    return env
+
+
+def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
+    """Ports free right now (another process may still take one before tritonserver binds it)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _prepare_child() -> None:
+    # Runs in the child before exec. tritonserver installs its handlers only once models are loaded: until then
+    # SIGINT/SIGTERM must kill it, even when this process was started with them ignored (a background job).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: SIGTERM when the starting thread dies
+
+
+class TritonServer:
+    """One tritonserver process. `url_http`/`url_grpc` are "host:port" (tritonclient style).
+
+    log_file: where tritonserver's output goes (None: inherit this process's stdout/stderr).
+    backend_model: the nanoserve backend's model.py (default: the repo's backend/model.py, if there is one).
+    Start it from a thread that outlives it: the server gets SIGTERM when the starting thread exits.
+    """
+
+    def __init__(self, model_repository, http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
+                 host: str = "127.0.0.1", log_verbose: int = 0, exit_timeout_secs: int = 10,
+                 disable_auto_complete_config: bool = False, extra_args=(), log_file=None,
+                 backend_model=None, install: TritonInstall | None = None):
+        self.model_repository = Path(model_repository).resolve()
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.host = host
+        self.log_verbose = log_verbose
+        self.exit_timeout_secs = exit_timeout_secs
+        self.disable_auto_complete_config = disable_auto_complete_config
+        self.extra_args = list(extra_args)
+        self.log_path = Path(log_file) if log_file else None
+        self.backend_model = Path(backend_model) if backend_model else default_backend_model()
+        self.install = install
+        self.shm_prefix = f"triton_nanoserve_{os.getpid()}_{next(_counter)}_"
+        self.process: subprocess.Popen | None = None
+        self._work_dir: Path | None = None
+        self._log = None
+
+    # ---- addresses ----------------------------------------------------------------------------------
+    @property
+    def _client_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def url_http(self) -> str:
+        return f"{self._client_host}:{self.http_port}"
+
+    @property
+    def url_grpc(self) -> str:
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def url_metrics(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def command(self, backend_dir: Path) -> list[str]:
+        install = self.install or find_tritonserver()
+        cmd = [str(install.binary), f"--model-repository={self.model_repository}",
+               f"--backend-directory={backend_dir}",
+               f"--http-address={self.host}", f"--http-port={self.http_port}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+               f"--exit-timeout-secs={self.exit_timeout_secs}", f"--log-verbose={self.log_verbose}"]
+        if not any("shm-region-prefix-name" in arg for arg in self.extra_args):
+            # Our own prefix: the shared-memory regions this server's stubs create can be found and removed.
+            cmd.append(f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}")
+        if self.disable_auto_complete_config:
+            cmd.append("--disable-auto-complete-config")
+        return cmd + self.extra_args
+
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise RuntimeError("tritonserver: already started")
+        self.install = self.install or find_tritonserver()
+        self._work_dir = Path(tempfile.mkdtemp(prefix="nanoserve-triton-"))
+        try:
+            backend_dir = assemble_backend_dir(self.install, self._work_dir / "backends", self.backend_model)
+            if self.log_path is not None:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                self._log = open(self.log_path, "wb")
+            self.process = subprocess.Popen(self.command(backend_dir), env=stub_environment(self.install),
+                                            stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=_prepare_child)
+        except BaseException:
+            self._cleanup()
+            raise
+        _live_servers.add(self)
+        return self
+
+    def poll(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def wait_ready(self, timeout: float = 120.0, models=()) -> "TritonServer":
+        """Until the server (and each named model) reports ready; raises with the log's tail when tritonserver
+        exits or the timeout passes."""
+        deadline = time.monotonic() + timeout
+        paths = ["/v2/health/ready"] + [f"/v2/models/{name}/ready" for name in models]
+        while True:
+            if self.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.poll()} before it was ready"
+                                   f"{self._log_excerpt()}")
+            if all(self._http_ok(path) for path in paths):
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_excerpt()}")
+            time.sleep(0.2)
+
+    def _http_ok(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.url_http}{path}", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int | None:
+        """Forward sig, wait for a graceful exit (default: exit timeout + 15 s), then kill the whole process
+        group (orphaned stubs included) and remove the shared memory this server created. Returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(self.exit_timeout_secs + 15 if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_group()
+        self._cleanup()
+        return self.process.returncode
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # stubs share tritonserver's process group
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.process.wait()
+
+    def _cleanup(self) -> None:
+        for region in SHM_DIR.glob(self.shm_prefix + "*"):
+            region.unlink(missing_ok=True)
+        if self._work_dir is not None:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+            self._work_dir = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        _live_servers.discard(self)
+
+    def log_tail(self, max_chars: int = 6000) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, self.log_path.stat().st_size - max_chars))
+            return f.read().decode(errors="replace")
+
+    def _log_excerpt(self) -> str:
+        tail = self.log_tail()
+        return f"; log {self.log_path}:\n{tail}" if tail else ""
+
+    def __enter__(self) -> "TritonServer":
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_until_signal(server: TritonServer) -> int:
+    """Start the server and run until it exits or SIGINT/SIGTERM arrives (forwarded, then the server stopped)."""
+    received: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if server.process is None and not received:
+            server.start()
+        while server.poll() is None and not received:
+            time.sleep(0.2)
+        code = server.stop(received[0] if received else signal.SIGTERM)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if code is None:  # the signal came before the server started
+        return 128 + received[0]
+    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_live_servers):
+        server.stop(timeout=5)
+
+
+# ---- model repositories ---------------------------------------------------------------------------------
+def repo_root() -> Path | None:
+    """The source checkout this package runs from (editable install), or None."""
+    root = _PACKAGE_DIR.parents[1]
+    return root if (root / "model_repository").is_dir() else None
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
+
+
+def tiny_model(cache_dir=None) -> Path:
+    """The default demo checkpoint, built once (random weights, local tokenizer) under cache_dir."""
+    out = Path(cache_dir or default_cache_dir()) / "tiny-qwen3"
+    if (out / "config.json").is_file():
+        return out
+    from nanoserve.tiny_model import build_tiny_model
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=out.parent))
+    build_tiny_model(str(building))
+    try:
+        os.replace(building, out)  # atomic; when a concurrent builder got there first, keep its copy
+    except OSError:
+        shutil.rmtree(building, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def make_model_repository(dest, checkpoint, models=None, template=None, **engine_args) -> Path:
+    """Copy the model repository template (default: the repo's model_repository/; only `models` if given) to
+    dest, and point every model.json at checkpoint (absolute paths), with engine_args merged in."""
+    from nanoserve.serving.model_json import PATH_ARGS
+
+    template = Path(template) if template else (repo_root() or Path("/nonexistent")) / "model_repository"
+    if not template.is_dir():
+        raise FileNotFoundError(f"model repository template {template} not found (needs a source checkout)")
+    dest = Path(dest)
+    for model in models or [p.name for p in template.iterdir() if p.is_dir()]:
+        shutil.copytree(template / model, dest / model, dirs_exist_ok=True)
+    checkpoint = str(Path(checkpoint).resolve())
+    for model_json in dest.glob("*/*/model.json"):
+        args = json.loads(model_json.read_text())
+        args.update({name: checkpoint for name in PATH_ARGS if name in args}, **engine_args)
+        model_json.write_text(json.dumps(args, indent=2) + "\n")
+    return dest

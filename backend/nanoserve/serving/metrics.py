@@ -1,0 +1,90 @@
+"""Prometheus metrics through Triton's custom metrics API (pb_utils.MetricFamily), labelled {model, version}.
+
+Create a Metrics in initialize() (MetricFamily exists only there) and make every later call from ONE thread:
+tritonserver 2.51 crashes when custom metrics are updated from several threads at once.
+"""
+from __future__ import annotations
+
+FINISH_REASONS = ("stop", "length", "abort")
+# Seconds and token counts; Triton adds the +Inf bucket.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
+ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
+LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
+
+
+class Metrics:
+    def __init__(self, pb_utils, model: str, version: str):
+        self._families = []  # a family (and its metrics) disappears from /metrics when garbage-collected
+        self._labels = {"model": model, "version": version}
+        family = pb_utils.MetricFamily
+        gauge, counter, histogram = family.GAUGE, family.COUNTER, family.HISTOGRAM
+        self._family_cls = family
+        self.running = self._metric(gauge, "nanoserve_requests_running", "Requests in the running batch")
+        self.waiting = self._metric(gauge, "nanoserve_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_used = self._metric(gauge, "nanoserve_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = self._metric(gauge, "nanoserve_kv_blocks_total", "KV cache blocks in the pool")
+        self.hit_rate = self._metric(gauge, "nanoserve_prefix_cache_hit_rate",
+                                     "Prompt tokens taken from the prefix cache / prompt tokens scheduled")
+        self.prompt_tokens = self._metric(counter, "nanoserve_prompt_tokens_total", "Prompt tokens of started requests")
+        self.generation_tokens = self._metric(counter, "nanoserve_generation_tokens_total", "Generated tokens")
+        self.preemptions = self._metric(counter, "nanoserve_preemptions_total", "Sequences preempted (recompute)")
+        finished = self._family(counter, "nanoserve_requests_finished_total", "Finished requests by reason")
+        self.finished = {r: finished.Metric(labels={**self._labels, "reason": r}) for r in FINISH_REASONS}
+        self.ttft = self._metric(histogram, "nanoserve_time_to_first_token_seconds", "Time to first token",
+                                 TTFT_BUCKETS)
+        self.itl = self._metric(histogram, "nanoserve_inter_token_latency_seconds", "Time between output tokens",
+                                ITL_BUCKETS)
+        self.e2e = self._metric(histogram, "nanoserve_e2e_request_latency_seconds", "Request latency, arrival to "
+                                "last token", E2E_BUCKETS)
+        self.prompt_length = self._metric(histogram, "nanoserve_prompt_length_tokens", "Prompt length of finished "
+                                          "requests", LENGTH_BUCKETS)
+        self.generation_length = self._metric(histogram, "nanoserve_generation_length_tokens", "Output length of "
+                                              "finished requests", LENGTH_BUCKETS)
+        self._last_gauges: dict = {}
+        self._last_preemptions = 0
+
+    def _family(self, kind, name: str, description: str):
+        family = self._family_cls(name=name, description=description, kind=kind)
+        self._families.append(family)
+        return family
+
+    def _metric(self, kind, name: str, description: str, buckets=None):
+        family = self._family(kind, name, description)
+        if buckets is None:
+            return family.Metric(labels=self._labels)
+        return family.Metric(labels=self._labels, buckets=buckets)
+
+    # ---- updates (one thread) -----------------------------------------------------------------------
+    def record_engine(self, stats: dict) -> None:
+        """Gauges and the preemption counter from engine.stats(); unchanged gauges cost no call."""
+        hits, computed = stats["prefix_cache_hit_tokens"], stats["prompt_tokens_computed"]
+        gauges = {self.running: stats["num_running"], self.waiting: stats["num_waiting"],
+                  self.kv_used: stats["num_total_blocks"] - stats["num_free_blocks"],
+                  self.kv_total: stats["num_total_blocks"],
+                  self.hit_rate: hits / (hits + computed) if hits + computed else 0.0}
+        for gauge, value in gauges.items():
+            if self._last_gauges.get(gauge) != value:
+                gauge.set(value)
+                self._last_gauges[gauge] = value
+        if stats["num_preemptions"] > self._last_preemptions:
+            self.preemptions.increment(stats["num_preemptions"] - self._last_preemptions)
+            self._last_preemptions = stats["num_preemptions"]
+
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        self.prompt_tokens.increment(num_prompt_tokens)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def record_generated(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.generation_tokens.increment(num_tokens)
+
+    def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        if reason in self.finished:
+            self.finished[reason].increment(1)
+        self.e2e.observe(e2e)
+        self.prompt_length.observe(num_prompt_tokens)
+        self.generation_length.observe(num_output_tokens)

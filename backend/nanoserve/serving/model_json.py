@@ -1,0 +1,35 @@
+"""`<model_dir>/<version>/model.json`: the engine arguments of a Triton model (the same names as `LLM(...)`).
+
+    {"model": "../../tiny-qwen3", "max_model_len": 2048}
+
+Relative "model" and "tokenizer" paths resolve against the model directory (the folder holding config.pbtxt).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+PATH_ARGS = ("model", "tokenizer")
+
+
+def load_engine_args(model_dir: str, version: str = "1") -> dict:
+    path = os.path.join(model_dir, str(version), "model.json")
+    try:
+        with open(path) as f:
+            args = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"model.json: {path} not found (it names the checkpoint: {{\"model\": DIR}})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model.json: invalid JSON in {path} ({e.msg} at char {e.pos})") from None
+    if not isinstance(args, dict) or not isinstance(args.get("model"), str):
+        raise ValueError(f"model: {path} must be a JSON object with a \"model\" path")
+    for name in PATH_ARGS:
+        if isinstance(args.get(name), str):
+            args[name] = os.path.normpath(os.path.join(model_dir, os.path.expanduser(args[name])))
+    return args
+
+
+def tokenizer_dir(model_dir: str, version: str = "1") -> str:
+    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it)."""
+    args = load_engine_args(model_dir, version)
+    return args.get("tokenizer") or args["model"]

@@ -1,0 +1,180 @@
+"""The Triton tensor contract, and parsing + validation of one request (pure Python: no Triton import).
+
+`get(name)` returns an input tensor as a numpy array, or None when the client did not send it. Every error is a
+ValueError whose message starts with the offending field, e.g. "top_p: must be in (0, 1], got 2.0".
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from nanoserve.sampling_params import SamplingParams
+
+# return_<name> flags and the optional outputs they switch on
+OPTIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+# TRT-LLM-style scalar tensors (and Triton's OpenAI frontend): tensor name -> (Triton type, SamplingParams field)
+SCALAR_INPUTS = {
+    "max_tokens": ("TYPE_INT32", "max_tokens"),
+    "temperature": ("TYPE_FP32", "temperature"),
+    "top_p": ("TYPE_FP32", "top_p"),
+    "top_k": ("TYPE_INT32", "top_k"),
+    "frequency_penalty": ("TYPE_FP32", "frequency_penalty"),
+    "presence_penalty": ("TYPE_FP32", "presence_penalty"),
+    "seed": ("TYPE_UINT64", "seed"),
+}
+FLAG_INPUTS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
+
+
+def _io(name, data_type, dims, optional=True):
+    return {"name": name, "data_type": data_type, "dims": dims, "optional": optional}
+
+
+_COMMON_INPUTS = [
+    _io("sampling_parameters", "TYPE_STRING", [1]),
+    *(_io(name, "TYPE_BOOL", [1]) for name in FLAG_INPUTS),
+    *(_io(name, data_type, [1]) for name, (data_type, _) in SCALAR_INPUTS.items()),
+    _io("stop_words", "TYPE_STRING", [-1]),
+]
+_COMMON_OUTPUTS = [
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+]
+# mode "text": the vllm_backend-compatible text model
+TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_INPUTS]
+TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
+# mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
+# precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
+TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
+TOKEN_OUTPUTS = [
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "num_context_prompt_ids", "data_type": "TYPE_UINT32", "dims": [1]},
+    *_COMMON_OUTPUTS,
+]
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    exclude_input: bool = False  # only matters when not streaming: streamed deltas never include the prompt
+    outputs: frozenset[str] = field(default_factory=frozenset)  # optional outputs asked for (OPTIONAL_OUTPUTS)
+
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+def parse_request(get: Getter, parameters: str = "", tokens: bool = False) -> ParsedRequest:
+    """One request's inputs -> ParsedRequest. `parameters` is the Triton request parameters JSON (HTTP
+    "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor."""
+    prompt = _token_prompt(get) if tokens else parse_text_prompt(get)
+    from_parameters = _request_parameters(parameters) if get("sampling_parameters") is None else {}
+    flags = {name: _flag(get, name, from_parameters.pop(name, None)) for name in FLAG_INPUTS}
+    params = _sampling_params(get, from_parameters)
+    outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
+    if "logprobs" in outputs and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)  # the sampled token's own logprob
+    return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
+
+
+def parse_text_prompt(get: Getter) -> str:
+    value = _utf8("text_input", _single("text_input", _required(get, "text_input")))
+    if not value:
+        raise ValueError("text_input: empty prompt")
+    return value
+
+
+def _token_prompt(get: Getter) -> list[int]:
+    array = _required(get, "input_ids")
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"input_ids: expected integer token ids, got {array.dtype}")
+    ids = array.reshape(-1).tolist()
+    if not ids:
+        raise ValueError("input_ids: empty prompt")
+    return ids
+
+
+def _required(get: Getter, name: str) -> np.ndarray:
+    array = get(name)
+    if array is None:
+        raise ValueError(f"{name}: missing required input")
+    return array
+
+
+def _single(name: str, array: np.ndarray):
+    if array.size != 1:
+        raise ValueError(f"{name}: expected one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _request_parameters(text: str) -> dict:
+    params = _json_object("parameters", text)
+    # Triton adds its own request parameters (e.g. triton_enable_empty_final_response): not sampling ones.
+    return {k: v for k, v in params.items() if not k.startswith("triton_")}
+
+
+def _json_object(name: str, text: str | bytes) -> dict:
+    text = _utf8(name, text)
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: invalid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _flag(get: Getter, name: str, fallback) -> bool:
+    array = get(name)
+    value = fallback if array is None else _single(name, array)
+    if value is None:
+        return False
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{name}: expected a boolean, got {value!r}")
+
+
+def _sampling_params(get: Getter, from_parameters: dict) -> SamplingParams:
+    tensor = get("sampling_parameters")
+    values = from_parameters if tensor is None else _json_object("sampling_parameters", _single(
+        "sampling_parameters", tensor))
+    values.update(_scalar_tensors(get))
+    return SamplingParams.from_dict(values)
+
+
+def _scalar_tensors(get: Getter) -> dict:
+    values = {}
+    for name, (data_type, param) in SCALAR_INPUTS.items():
+        array = get(name)
+        if array is None:
+            continue
+        value = _single(name, array)
+        integer = data_type != "TYPE_FP32"
+        if integer and not isinstance(value, np.integer) or not integer and not isinstance(value, np.number):
+            raise ValueError(f"{name}: expected {data_type[5:]}, got {np.asarray(value).dtype}")
+        values[param] = int(value) if integer else float(value)
+    stop_words = get("stop_words")
+    if stop_words is not None:
+        values["stop"] = [_utf8("stop_words", w) for w in stop_words.reshape(-1).tolist() if w]
+    return values
+
+
+def _utf8(name: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: not valid UTF-8 (byte 0x{value[e.start]:02x} at position {e.start})") from None
+    except AttributeError:
+        raise ValueError(f"{name}: expected a string, got {type(value).__name__}") from None

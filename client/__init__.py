@@ -1,0 +1,1 @@
+"""Clients and benchmarks that talk to nanoserve in Triton (run as scripts or `python -m client.X`)."""

@@ -1,0 +1,181 @@
+"""Served vs in-process throughput: the same fixed workload through Triton (C concurrent gRPC streams) and
+through `nanoserve.LLM(...).generate` in this process; prints output tok/s for each and the ratio (target >= 0.95
+at 64 streams).
+
+Workload: N prompts of random token ids (fixed seed) decoded to text, so both sides get the same strings;
+ignore_eos and a fixed max_tokens, so every request produces exactly that many tokens.
+
+    python client/bench_serving.py --model-repository model_repository          # launches tritonserver itself
+    python client/bench_serving.py --url 127.0.0.1:8001 --model-repository DIR   # a server already running
+
+Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
+--url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a script: make `client` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from client.stream import first_value, grpc_inputs  # noqa: E402
+
+
+@dataclasses.dataclass
+class RunResult:
+    seconds: float
+    output_tokens: int
+    ttfts: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def describe(self, name: str, num_requests: int) -> str:
+        ttft = f", mean TTFT {1000 * sum(self.ttfts) / len(self.ttfts):.0f} ms" if self.ttfts else ""
+        return (f"{name:>10}: {num_requests} requests, {self.output_tokens} output tokens in {self.seconds:.2f} s "
+                f"= {self.tokens_per_s:.1f} tok/s{ttft}")
+
+
+def make_prompts(tokenizer_dir: str, num_prompts: int, input_len: int, seed: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    special = set(tokenizer.all_special_ids)
+    vocab = [i for i in range(len(tokenizer)) if i not in special]
+    rng = random.Random(seed)
+    return [tokenizer.decode([rng.choice(vocab) for _ in range(input_len)]) for _ in range(num_prompts)]
+
+
+def sampling_parameters(args) -> dict:
+    return {"max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
+
+
+async def run_served(url: str, model: str, prompts: list[str], params: dict, concurrency: int) -> RunResult:
+    """At most `concurrency` requests in flight on one bidirectional gRPC stream; a request ends with its
+    final (possibly empty) response."""
+    import tritonclient.grpc.aio as aioclient
+
+    slots, all_done = asyncio.Semaphore(concurrency), asyncio.Event()
+    sent: dict[str, float] = {}
+
+    async def requests():
+        for i, prompt in enumerate(prompts):
+            await slots.acquire()
+            sent[str(i)] = time.perf_counter()
+            yield {"model_name": model, "inputs": grpc_inputs(prompt, params), "request_id": str(i),
+                   "parameters": {"triton_enable_empty_final_response": True}}
+        await all_done.wait()  # closing our side early could end the stream before the last responses
+
+    client = aioclient.InferenceServerClient(url)
+    result, first_seen, finished = RunResult(0.0, 0), set(), 0
+    start = time.perf_counter()
+    try:
+        async for response, error in client.stream_infer(requests()):
+            if error is not None:
+                raise RuntimeError(f"{model}: {error}")
+            request_id = response.get_response().id
+            tokens = first_value(response.as_numpy("num_output_tokens"))
+            result.output_tokens += int(tokens or 0)
+            if tokens and request_id not in first_seen:
+                first_seen.add(request_id)
+                result.ttfts.append(time.perf_counter() - sent[request_id])
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                finished += 1
+                slots.release()
+                if finished == len(prompts):
+                    break
+        result.seconds = time.perf_counter() - start
+    finally:
+        all_done.set()
+        await client.close()
+    return result
+
+
+def run_inprocess(model_dir: str, engine_args: dict, prompts: list[str], params: dict, concurrency: int,
+                  warmup: int) -> RunResult:
+    """The same prompts through the offline API, with at most `concurrency` sequences running, like the server."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.config import EngineConfig
+
+    default_seqs = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_seqs")
+    engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", default_seqs), concurrency)}
+    with LLM(model_dir, **engine_args) as llm:
+        sampling = SamplingParams(**params)
+        if warmup:
+            llm.generate(prompts[:warmup], sampling, use_tqdm=False)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        return RunResult(time.perf_counter() - start, sum(len(o.token_ids) for o in outputs))
+
+
+def served_with_warmup(url: str, args, prompts: list[str], params: dict) -> RunResult:
+    if args.warmup:
+        asyncio.run(run_served(url, args.model, prompts[:args.warmup], params, args.concurrency))
+    return asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))
+
+
+def bench_launched(args, prompts: list[str], params: dict) -> RunResult:
+    from nanoserve.serving.launcher import TritonServer, free_ports
+
+    log = Path(args.log_file).resolve()
+    with TritonServer(args.model_repository, *free_ports(3), log_file=log) as server:
+        print(f"starting tritonserver (log: {log})", file=sys.stderr, flush=True)
+        server.wait_ready(args.timeout, models=[args.model])
+        return served_with_warmup(server.url_grpc, args, prompts, params)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-repository", required=True, help="the served model's repository (engine args "
+                        "come from <repository>/<model>/1/model.json)")
+    parser.add_argument("--url", help="gRPC host:port of a running server (default: launch tritonserver)")
+    parser.add_argument("--model", default="nanoserve")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, help="default: --concurrency")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=4, help="requests sent before each timed run")
+    parser.add_argument("--no-inprocess", action="store_true")
+    parser.add_argument("--min-ratio", type=float, help="exit 1 when served/in-process is below this")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to load")
+    parser.add_argument("--log-file", default="bench_serving_tritonserver.log")
+    args = parser.parse_args(argv)
+    args.num_prompts = args.num_prompts or args.concurrency
+    return args
+
+
+def main(argv=None) -> int:
+    from nanoserve.serving.model_json import load_engine_args
+
+    args = parse_args(argv)
+    engine_args = load_engine_args(str(Path(args.model_repository) / args.model))
+    model_dir = engine_args.pop("model")
+    prompts = make_prompts(engine_args.get("tokenizer") or model_dir, args.num_prompts, args.input_len, args.seed)
+    params = sampling_parameters(args)
+    served = (served_with_warmup(args.url, args, prompts, params) if args.url
+              else bench_launched(args, prompts, params))
+    print(served.describe("served", args.num_prompts))
+    expected = args.num_prompts * args.output_len
+    if served.output_tokens != expected:
+        print(f"warning: the server reported {served.output_tokens} output tokens, expected {expected}",
+              file=sys.stderr)
+    if args.no_inprocess:
+        return 0
+    local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, args.warmup)
+    print(local.describe("in-process", args.num_prompts))
+    ratio = served.tokens_per_s / local.tokens_per_s
+    print(f"served / in-process: {ratio:.3f} at {args.concurrency} streams (target >= 0.95)")
+    return 1 if args.min_ratio is not None and ratio < args.min_ratio else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

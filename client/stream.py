@@ -1,0 +1,185 @@
+"""Stream one completion from nanoserve in Triton: gRPC streaming (default) or HTTP SSE (`generate_stream`).
+
+    python client/stream.py --prompt "What is paged attention?" --max-tokens 64 --stats
+    python client/stream.py --protocol http --url 127.0.0.1:8000 "Hello"
+
+Importable: `stream_grpc(...)` / `stream_http(...)` return a `StreamResult`.
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import queue
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+
+DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
+FLAGS = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True,
+         "return_finish_reason": True}
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    deltas: list[str] = field(default_factory=list)
+    num_output_tokens: int | None = None  # as counted by the server (None: not returned)
+    finish_reason: str | None = None
+    ttft: float | None = None  # seconds from sending to the first non-empty delta
+    total: float = 0.0  # seconds from sending to the final response
+
+    def add(self, delta: str, num_tokens, finish_reason, elapsed: float) -> None:
+        if delta:
+            self.ttft = elapsed if self.ttft is None else self.ttft
+            self.deltas.append(delta)
+            self.text += delta
+        if num_tokens is not None:  # streamed responses carry the count of their own delta's tokens
+            self.num_output_tokens = (self.num_output_tokens or 0) + int(num_tokens)
+        self.finish_reason = finish_reason or self.finish_reason
+
+
+def sampling_parameters(max_tokens=None, temperature=None, top_p=None, seed=None, **extra) -> dict:
+    """The `sampling_parameters` JSON, with the unset values left to the server's defaults."""
+    given = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, **extra)
+    return {key: value for key, value in given.items() if value is not None}
+
+
+def grpc_inputs(prompt: str, params: dict) -> list:
+    """The input tensors vllm_backend's clients send (usable with tritonclient.grpc and .grpc.aio)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, datatype):
+        array = np.array([value], dtype=object if datatype == "BYTES" else bool)
+        infer_input = grpcclient.InferInput(name, [1], datatype)
+        infer_input.set_data_from_numpy(array)
+        return infer_input
+
+    inputs = [tensor("text_input", prompt.encode(), "BYTES"),
+              tensor("sampling_parameters", json.dumps(params).encode(), "BYTES")]
+    return inputs + [tensor(name, value, "BOOL") for name, value in FLAGS.items()]
+
+
+def first_value(value):
+    """A tensor value as its first element (HTTP sends scalars or lists, gRPC numpy arrays)."""
+    if value is None:
+        return None
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    value = value[0] if isinstance(value, list) else value
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, timeout: float = 600.0,
+                request_id: str = "stream-0") -> StreamResult:
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    result = StreamResult()
+    try:
+        client.start_stream(callback=lambda res, err: responses.put((res, err)))
+        start = time.perf_counter()
+        client.async_stream_infer(model, grpc_inputs(prompt, params), request_id=request_id,
+                                  enable_empty_final_response=True)
+        while True:
+            response, error = responses.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(f"{model}: {error}")
+            delta = first_value(response.as_numpy("text_output")) or ""
+            result.add(delta, first_value(response.as_numpy("num_output_tokens")),
+                       first_value(response.as_numpy("finish_reason")), time.perf_counter() - start)
+            if on_text and delta:
+                on_text(delta)
+            if response.get_response().parameters["triton_final_response"].bool_param:
+                result.total = time.perf_counter() - start
+                return result
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def _sse_events(response):
+    """The JSON payloads of a Server-Sent Events body (`data: {...}` lines)."""
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data:"):
+            yield json.loads(line[len("data:"):])
+
+
+def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
+                timeout: float = 600.0) -> StreamResult:
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port or 80, timeout=timeout)
+    body = {"text_input": prompt, "sampling_parameters": json.dumps(params), **FLAGS}
+    result = StreamResult()
+    try:
+        start = time.perf_counter()
+        conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
+                     {"Content-Type": "application/json", "Accept": "text/event-stream"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{model}: HTTP {response.status}: {response.read().decode(errors='replace')}")
+        for event in _sse_events(response):
+            if "error" in event:
+                raise RuntimeError(f"{model}: {event['error']}")
+            delta = first_value(event.get("text_output")) or ""
+            result.add(delta, first_value(event.get("num_output_tokens")), first_value(event.get("finish_reason")),
+                       time.perf_counter() - start)
+            if on_text and delta:
+                on_text(delta)
+        result.total = time.perf_counter() - start
+        return result
+    finally:
+        conn.close()
+
+
+def count_tokens(result: StreamResult, tokenizer_dir: str | None) -> int | None:
+    if result.num_output_tokens is not None or not tokenizer_dir:
+        return result.num_output_tokens
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(tokenizer_dir)(result.text, add_special_tokens=False).input_ids)
+
+
+def format_stats(result: StreamResult, num_tokens: int | None) -> str:
+    ttft = "n/a" if result.ttft is None else f"{result.ttft * 1000:.1f} ms"
+    rate = "n/a (pass --tokenizer)" if num_tokens is None else f"{num_tokens / max(result.total, 1e-9):.1f}"
+    return (f"time to first token: {ttft}\noutput tokens: {num_tokens if num_tokens is not None else 'n/a'}"
+            f"\ntokens/s: {rate}\ntotal time: {result.total:.3f} s\nfinish reason: {result.finish_reason}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("text", nargs="?", help="the prompt (or --prompt)")
+    parser.add_argument("--prompt", default=None)
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)")
+    parser.add_argument("--model", default="nanoserve")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stats", action="store_true", help="print time to first token, tokens/s, total time")
+    parser.add_argument("--tokenizer", help="tokenizer dir, to count tokens if the server does not return counts")
+    args = parser.parse_args(argv)
+    args.prompt = args.prompt or args.text or "The future of AI is"
+    args.url = args.url or DEFAULT_URLS[args.protocol]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    params = sampling_parameters(args.max_tokens, args.temperature, args.top_p, args.seed)
+    stream = stream_grpc if args.protocol == "grpc" else stream_http
+    result = stream(args.url, args.model, args.prompt, params, on_text=lambda t: print(t, end="", flush=True))
+    print()
+    if args.stats:
+        print(format_stats(result, count_tokens(result, args.tokenizer)), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

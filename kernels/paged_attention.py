@@ -1,0 +1,35 @@
+"""Varlen causal attention over the paged KV cache (mirrors reference.paged_attention_ref).
+
+Sequences with one new token go to the decode kernel (GQA-grouped, optional split-K); the others to the
+prefill kernel. Both launches are sized from tensor shapes, so the call never syncs with the host and can
+be captured in a CUDA graph. Token rows past query_start_loc[-1] are not written.
+"""
+from __future__ import annotations
+
+import torch
+
+from .decode_attention import check_paged_args, default_num_splits, launch_decode
+from .decode_attention import paged_decode_attention  # noqa: F401  (re-exported)
+from .prefill_attention import launch_prefill
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, max_seq_len: int | None = None,
+                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> out of the same shape; the cache already holds the new K/V.
+
+    Optional hints (from the attention metadata, never required): max_query_len == 1 skips the prefill
+    launch; max_seq_len caps the number of decode splits. num_splits forces the decode split count.
+    """
+    check_paged_args(q, k_cache, v_cache)
+    if out is None:
+        out = torch.empty_like(q)
+    batch = seq_lens.shape[0]
+    if num_splits is None:
+        num_splits = default_num_splits(batch, k_cache.shape[2], q.device, max_seq_len)
+    launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
+                  query_start_loc=query_start_loc)
+    if max_query_len is None or max_query_len > 1:
+        launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+    return out

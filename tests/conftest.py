@@ -1,0 +1,47 @@
+import os
+
+# Triton-language kernels run on the CPU through the interpreter; it must be set before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The test models are tiny: one thread avoids OpenMP spin-waits that make each op ~20x slower on a busy 2-core box.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Random-weight checkpoints built once per session: {"qwen3": dir, "qwen2": dir, "llama": dir}."""
+    from nanoserve.tiny_model import ARCHS, build_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {arch: build_tiny_model(str(root / arch), arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_models):
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture
+def make_llm():
+    """Builds LLMs and checks, after the test, that every KV block is free again (no leaks)."""
+    from nanoserve import LLM
+
+    made = []
+
+    def factory(model_dir, **engine_args):
+        engine_args.setdefault("device", "cpu")
+        llm = LLM(model_dir, **engine_args)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        stats = llm.stats()
+        llm.shutdown()
+        assert not llm.engine.requests, "requests left in the engine"
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"

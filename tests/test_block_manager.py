@@ -1,0 +1,358 @@
+"""BlockManager unit tests, and a Hypothesis state machine driving Scheduler + BlockManager."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from nanoserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_seq(tokens, request_id="r", max_tokens=4) -> Sequence:
+    return Sequence(request_id, list(tokens), SamplingParams(max_tokens=max_tokens), max_tokens)
+
+
+def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
+    """Stand-in for one engine step: allocate, 'run the model', cache the full blocks."""
+    if num_tokens is None:
+        num_tokens = seq.num_tokens - seq.num_computed_tokens
+    bm.allocate(seq, num_tokens)
+    seq.num_computed_tokens += num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def admit_and_compute(bm: BlockManager, tokens, request_id="r") -> Sequence:
+    seq = make_seq(tokens, request_id)
+    bm.allocate_cached_prefix(seq)
+    compute(bm, seq)
+    return seq
+
+
+# ---------------------------------------------------------------- hashing
+
+def test_hash_is_chained_over_the_previous_block():
+    block = [5, 6, 7, 8]
+    assert chain_hash(NO_HASH, block) == chain_hash(NO_HASH, list(block))
+    first_a, first_b = chain_hash(NO_HASH, [1, 2, 3, 4]), chain_hash(NO_HASH, [9, 2, 3, 4])
+    assert chain_hash(first_a, block) != chain_hash(first_b, block)
+    assert chain_hash(first_a, block) != chain_hash(NO_HASH, block)
+
+
+def test_same_block_after_a_different_prefix_is_not_a_hit():
+    bm = BlockManager(16, BS)
+    admit_and_compute(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])
+    assert bm.allocate_cached_prefix(other) == 0
+    assert other.block_table == [] and other.num_computed_tokens == 0
+
+
+def test_hit_requires_equal_token_ids_not_just_equal_hash():
+    bm = BlockManager(16, BS)
+    first = admit_and_compute(bm, [1, 2, 3, 4, 0])
+    cached_id = first.block_table[0]
+    impostor = [7, 7, 7, 7]
+    bm.hash_to_block_id[chain_hash(NO_HASH, impostor)] = cached_id  # simulate a hash collision
+    assert bm.allocate_cached_prefix(make_seq(impostor + [0], "x")) == 0
+    assert bm.allocate_cached_prefix(make_seq([1, 2, 3, 4, 0], "y")) == BS
+
+
+def test_block_holding_the_last_token_is_never_taken_from_cache():
+    bm = BlockManager(16, BS)
+    tokens = list(range(2 * BS))
+    admit_and_compute(bm, tokens, "a")
+    exact = make_seq(tokens, "b")
+    assert bm.allocate_cached_prefix(exact) == BS  # second block holds the last token: computed again
+    assert exact.num_computed_tokens == exact.num_cached_tokens == BS
+    assert bm.num_blocks_needed(exact, exact.num_tokens - BS) == 1
+    longer = make_seq(tokens + [99], "c")
+    assert bm.allocate_cached_prefix(longer) == 2 * BS
+    assert bm.prefix_cache_hit_tokens == 3 * BS
+
+
+def test_prefix_hit_stops_at_first_mismatch():
+    bm = BlockManager(16, BS)
+    admit_and_compute(bm, list(range(12)) + [0], "a")
+    seq = make_seq(list(range(8)) + [50, 51, 52, 53, 0], "b")
+    assert bm.allocate_cached_prefix(seq) == 2 * BS
+
+
+# ---------------------------------------------------------------- allocation, ref counts, free
+
+def test_allocate_covers_computed_plus_new_tokens():
+    bm = BlockManager(8, BS)
+    seq = make_seq(range(10))
+    assert bm.num_blocks_needed(seq, 10) == 3
+    assert bm.num_blocks_needed(seq, 4) == 1
+    bm.allocate(seq, 5)
+    assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
+    seq.num_computed_tokens = 5
+    assert bm.num_blocks_needed(seq, 3) == 0  # positions 5..7 fit in block 1
+    assert bm.num_blocks_needed(seq, 4) == 1
+    assert bm.can_allocate(6) and not bm.can_allocate(7)
+
+
+def test_shared_prefix_ref_counts_and_free():
+    bm = BlockManager(8, BS)
+    a = admit_and_compute(bm, list(range(9)), "a")
+    b = make_seq(list(range(9)), "b")
+    assert bm.allocate_cached_prefix(b) == 2 * BS
+    assert b.block_table == a.block_table[:2]
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    free_before = bm.num_free_blocks
+    compute(bm, b)
+    assert bm.num_free_blocks == free_before - 1
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    bm.check_invariants([b])
+    bm.free(b)
+    assert bm.num_free_blocks == bm.num_total_blocks == 8
+    bm.check_invariants([])
+
+
+def test_free_blocks_are_reused_least_recently_freed_first():
+    bm = BlockManager(3, BS)
+    seqs = [make_seq([i], str(i)) for i in range(3)]
+    for seq in seqs:
+        bm.allocate(seq, 1)
+    ids = [seq.block_table[0] for seq in seqs]
+    for i in (1, 0, 2):
+        bm.free(seqs[i])
+    fresh = make_seq(range(3 * BS))
+    bm.allocate(fresh, 3 * BS)
+    assert fresh.block_table == [ids[1], ids[0], ids[2]]
+
+
+def test_sequence_is_freed_tail_first_so_its_prefix_is_evicted_last():
+    bm = BlockManager(3, BS)
+    seq = admit_and_compute(bm, range(3 * BS))
+    table = list(seq.block_table)
+    bm.free(seq)
+    assert list(bm.free_block_ids) == table[::-1]
+
+
+def test_freed_blocks_stay_cached_until_reused():
+    bm = BlockManager(4, BS)
+    prompt = list(range(2 * BS + 1))
+    first = admit_and_compute(bm, prompt, "a")
+    bm.free(first)
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 4
+    again = make_seq(prompt, "b")
+    assert bm.allocate_cached_prefix(again) == 2 * BS
+    assert bm.num_free_blocks == 2  # hits taken out of the free queue
+    bm.free(again)
+    # Reuse all four blocks for other content: the cached entries disappear.
+    filler = make_seq([100 + i for i in range(4 * BS)], "c")
+    bm.allocate(filler, 4 * BS)
+    assert bm.num_cached_blocks == 0 and bm.hash_to_block_id == {}
+    bm.free(filler)
+    assert bm.allocate_cached_prefix(make_seq(prompt, "d")) == 0
+
+
+def test_eviction_drops_oldest_cached_blocks_first():
+    bm = BlockManager(4, BS)
+    old = admit_and_compute(bm, list(range(BS)) + [0], "old")  # 1 hashed + 1 partial block
+    bm.free(old)
+    new = admit_and_compute(bm, list(range(50, 50 + BS)) + [0], "new")
+    bm.free(new)
+    taker = make_seq(range(2 * BS), "taker")
+    bm.allocate(taker, 2 * BS)  # takes old's two blocks (freed earliest)
+    assert bm.allocate_cached_prefix(make_seq(list(range(BS)) + [0], "x")) == 0
+    assert bm.allocate_cached_prefix(make_seq(list(range(50, 50 + BS)) + [0], "y")) == BS
+
+
+def test_duplicate_content_keeps_the_first_registered_block():
+    bm = BlockManager(8, BS)
+    a, b = make_seq(range(BS + 1), "a"), make_seq(range(BS + 1), "b")
+    for seq in (a, b):  # both admitted before either computed: no hit for b
+        assert bm.allocate_cached_prefix(seq) == 0
+        bm.allocate(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+    block_hash = bm.blocks[a.block_table[0]].hash
+    assert bm.blocks[b.block_table[0]].hash == block_hash
+    assert bm.hash_to_block_id[block_hash] == a.block_table[0]
+    assert bm.num_cached_blocks == 2
+    bm.check_invariants([a, b])
+
+
+def test_cache_full_blocks_hashes_only_computed_full_blocks_incrementally():
+    bm = BlockManager(8, BS)
+    seq = make_seq(range(2 * BS + 2))
+    bm.allocate_cached_prefix(seq)
+    compute(bm, seq, BS - 1)
+    assert bm.num_cached_blocks == 0
+    compute(bm, seq, 2)
+    assert bm.num_cached_blocks == 1
+    compute(bm, seq, seq.num_tokens - seq.num_computed_tokens)
+    assert bm.num_cached_blocks == 2
+    for token in range(BS):  # decode steps fill the third block
+        seq.append_token(1000 + token)
+        compute(bm, seq, 1)
+    assert bm.num_cached_blocks == 3
+    bm.check_invariants([seq])
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    first = admit_and_compute(bm, range(3 * BS), "a")
+    assert bm.num_cached_blocks == 0
+    bm.free(first)
+    again = make_seq(range(3 * BS), "b")
+    assert bm.allocate_cached_prefix(again) == 0 and again.num_cached_tokens == 0
+
+
+def test_decode_path_is_cheap():
+    """cache_full_blocks must not rescan the table on every decode step."""
+    import time
+
+    bm = BlockManager(4096, 16)
+    seqs = [admit_and_compute(bm, range(i, i + 1000), str(i)) for i in range(64)]
+    start = time.perf_counter()
+    for _ in range(20):
+        for seq in seqs:
+            seq.append_token(1)
+            compute(bm, seq, 1)
+    per_seq_step_us = (time.perf_counter() - start) / (20 * 64) * 1e6
+    assert per_seq_step_us < 50, per_seq_step_us  # generous bound for a slow CI box; typically ~1-2 us
+
+
+# ---------------------------------------------------------------- Hypothesis: scheduler + block manager
+
+VOCAB = (0, 1, 2)
+PREFIXES = ((), (0, 0, 0, 0), (1, 2, 1, 2, 1, 2), (0, 1, 2, 0, 1, 2, 0, 1))
+prompts = st.builds(lambda prefix, tail: list(prefix) + tail, st.sampled_from(PREFIXES),
+                    st.lists(st.sampled_from(VOCAB), min_size=0, max_size=6))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort on small pools; the checks run after every rule."""
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 14),
+                max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), prefix_caching=st.booleans(),
+                seed=st.integers(0, 2**16))
+    def setup(self, block_size, num_blocks, max_num_seqs, budget, prefix_caching, seed):
+        config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=24,
+                                 kvcache_block_size=block_size, enable_prefix_caching=prefix_caching)
+        self.bm = BlockManager(num_blocks, block_size, prefix_caching)
+        self.scheduler = Scheduler(config, self.bm)
+        self.rng = random.Random(seed)
+        self.live: dict[str, Sequence] = {}
+        self.finished: list[Sequence] = []
+        self.prefix_by_hash: dict[int, tuple[int, ...]] = {}  # ground truth: hash -> the full prefix it names
+        self.next_id = 0
+
+    @rule(requests=st.lists(st.tuples(prompts, st.integers(1, 10)), min_size=1, max_size=4))
+    def add(self, requests):
+        for prompt, max_tokens in requests:
+            self._add(prompt, max_tokens)
+
+    def _add(self, prompt, max_tokens):
+        try:
+            self.scheduler.check_admissible(len(prompt), max_tokens)
+        except ValueError:
+            worst_blocks = -(-(len(prompt) + max_tokens) // self.bm.block_size)
+            assert not prompt or len(prompt) + max_tokens > 24 or worst_blocks > self.bm.num_total_blocks
+            return
+        seq = make_seq(prompt, f"req{self.next_id}", max_tokens)
+        self.next_id += 1
+        self.scheduler.add(seq)
+        self.live[seq.request_id] = seq
+
+    @precondition(lambda self: self.live)
+    @rule()
+    def step(self):
+        self._step()
+
+    @precondition(lambda self: self.live)
+    @rule(pick=st.integers(0, 1000))
+    def abort(self, pick):
+        request_id = sorted(self.live)[pick % len(self.live)]
+        seq = self.scheduler.abort(request_id)
+        assert seq is self.live.pop(request_id)
+        assert seq.status == SequenceStatus.FINISHED and seq.finish_reason == "abort" and not seq.block_table
+        assert self.scheduler.abort(request_id) is None
+
+    @rule()
+    def run_to_completion(self):
+        max_steps = 100 + 20 * sum(s.num_prompt_tokens + s.max_tokens for s in self.live.values())
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                break
+            self._step()
+            self.check_block_bookkeeping()
+        assert not self.scheduler.has_unfinished() and not self.live, "requests did not finish: hang"
+        assert self.bm.num_free_blocks == self.bm.num_total_blocks
+        assert all(seq.num_output_tokens == seq.max_tokens for seq in self.finished if seq.finish_reason == "length")
+
+    def _step(self):
+        scheduler = self.scheduler
+        plan = scheduler.schedule()
+        assert plan.scheduled, "unfinished requests but nothing scheduled: no progress"
+        assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
+        assert len(plan.scheduled) <= scheduler.max_num_seqs and scheduler.num_running <= scheduler.max_num_seqs
+        scheduled_seqs = [s.seq for s in plan.scheduled]
+        assert len(set(map(id, scheduled_seqs))) == len(scheduled_seqs)
+        for entry in plan.scheduled:
+            seq = entry.seq
+            assert seq.status == SequenceStatus.RUNNING and seq in scheduler.running
+            assert entry.start_pos == seq.num_computed_tokens and entry.num_new_tokens > 0
+            assert entry.end_pos <= seq.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= entry.end_pos
+        for seq in plan.preempted:
+            assert seq.status == SequenceStatus.WAITING and not seq.block_table and seq not in scheduled_seqs
+        scheduler.postprocess(plan)
+        self._record_prefixes(scheduled_seqs)
+        for entry in plan.scheduled:
+            if entry.samples:
+                entry.seq.append_token(self.rng.choice(VOCAB))
+                if entry.seq.num_output_tokens >= entry.seq.max_tokens:
+                    scheduler.finish(entry.seq, "length")
+                    self.finished.append(self.live.pop(entry.seq.request_id))
+
+    def _record_prefixes(self, seqs):
+        size = self.bm.block_size
+        for seq in seqs:
+            prev = NO_HASH
+            for i in range(seq.num_computed_tokens // size):
+                prefix = tuple(seq.token_ids[:(i + 1) * size])
+                prev = chain_hash(prev, list(prefix[-size:]))
+                assert self.prefix_by_hash.setdefault(prev, prefix) == prefix, "hash collision in the test"
+
+    @invariant()
+    def check_block_bookkeeping(self):
+        if not hasattr(self, "bm"):
+            return
+        scheduler = self.scheduler
+        holders = list(scheduler.running) + list(scheduler.waiting)
+        assert {s.request_id for s in holders} == set(self.live)
+        assert all(not s.block_table for s in scheduler.waiting)
+        self.bm.check_invariants(holders)  # free xor used, ref counts, hashed prefix of each table
+        used = {b for s in scheduler.running for b in s.block_table}
+        assert not used & set(self.bm.free_block_ids)
+        for block_hash, block_id in self.bm.hash_to_block_id.items():
+            block = self.bm.blocks[block_id]
+            prefix = self.prefix_by_hash[block_hash]  # every registered hash names a prefix really computed
+            assert list(prefix[-self.bm.block_size:]) == block.token_ids
+        if not scheduler.has_unfinished():
+            assert self.bm.num_free_blocks == self.bm.num_total_blocks
+
+    def teardown(self):
+        if hasattr(self, "bm"):
+            self.run_to_completion()
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,216 @@
+"""Triton store_kvcache / paged attention kernels against kernels/reference.py.
+
+Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1 from conftest.py) in float32;
+with CUDA the same tests run in bfloat16 against a float32 reference. Caches start as NaN so any read of
+an unwritten slot shows up, and outputs start as NaN so any unwritten element does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoserve.kernels import ops
+from nanoserve.kernels import reference as ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+TOL = dict(atol=3e-2, rtol=3e-2) if DTYPE == torch.bfloat16 else dict(atol=3e-5, rtol=3e-5)
+
+
+def assert_close(actual, expected, **tol):
+    torch.testing.assert_close(actual.float(), expected.float(), **(tol or TOL))
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], NaN where nothing was stored
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [batch, max_blocks] int32, padding 0
+    query_start_loc: torch.Tensor  # [batch + 1] int32
+    seq_lens: torch.Tensor  # [batch] int32
+    scale: float
+
+    def args(self):
+        return (self.q, self.k_cache, self.v_cache, self.block_tables, self.query_start_loc, self.seq_lens,
+                self.scale)
+
+    def reference(self):
+        """paged_attention_ref in float32 on NaN-free caches (its dense gather would spread the NaNs)."""
+        k, v = self.k_cache.float().nan_to_num(0.0), self.v_cache.float().nan_to_num(0.0)
+        return ref.paged_attention_ref(self.q.float(), k, v, self.block_tables, self.query_start_loc,
+                                       self.seq_lens, self.scale)
+
+    def nan_out(self):
+        return torch.full_like(self.q, float("nan"))
+
+
+def make_batch(q_lens, seq_lens, *, block_size, num_kv_heads=2, group=1, head_dim=32, seed=0,
+               dtype=DTYPE) -> PagedBatch:
+    """Random K/V for every context position, stored through shuffled block ids (3 blocks stay unused)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(blocks_needed + [1]) + 1, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for b, (n, s) in enumerate(zip(blocks_needed, seq_lens)):
+        table = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+        block_tables[b, :n] = table
+        pos = torch.arange(s)
+        slots = table[pos // block_size].long() * block_size + pos % block_size
+        k = torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype)
+        ref.store_kvcache_ref(k, v, k_cache, v_cache, slots)
+    query_start_loc = torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32)
+    q = torch.randn(int(query_start_loc[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    dev = DEVICE
+    return PagedBatch(q.to(dev), k_cache.to(dev), v_cache.to(dev), block_tables.to(dev), query_start_loc.to(dev),
+                      torch.tensor(seq_lens, dtype=torch.int32, device=dev), head_dim ** -0.5)
+
+
+# (q_lens, seq_lens): odd lengths, block boundaries crossed, a cached prefix wherever q_len < seq_len
+SCENARIOS = {
+    "decode": ([1, 1, 1, 1, 1], [1, 7, 33, 100, 257]),
+    "prefill": ([2, 7, 33, 130], [2, 7, 33, 130]),
+    "prefix": ([5, 33, 64], [37, 100, 300]),
+    "mixed": ([1, 7, 1, 33, 20, 1], [100, 7, 1, 70, 300, 257]),
+}
+
+
+# ---------------------------------------------------------------------------------------------- store
+
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+def test_store_kvcache_writes_only_given_slots(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, kv_heads, head_dim, num_tokens = 5, 2, 32, 40
+    # k/v as strided views of a fused projection output, in float32 while the cache may be bf16
+    fused = torch.randn(num_tokens, 3 * kv_heads * head_dim + 8, generator=gen)
+    k = fused[:, 8:8 + kv_heads * head_dim].view(num_tokens, kv_heads, head_dim)
+    v = fused[:, -kv_heads * head_dim:].view(num_tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::7] = -1  # padded tokens
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=DTYPE, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=DTYPE, device=DEVICE)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    k, v, slots = k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE)
+
+    ops.store_kvcache(k, v, k_cache, v_cache, slots)
+    ref.store_kvcache_ref(k, v, k_exp, v_exp, slots)
+    torch.testing.assert_close(k_cache, k_exp, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_exp, atol=0, rtol=0, equal_nan=True)
+    written = int((slots >= 0).sum()) * kv_heads * head_dim
+    assert int((~k_cache.isnan()).sum()) == written and int((~v_cache.isnan()).sum()) == written
+
+
+def test_store_kvcache_empty_and_all_padded():
+    cache = torch.full((2, 16, 1, 16), float("nan"), dtype=DTYPE, device=DEVICE)
+    kv = torch.randn(3, 1, 16, dtype=DTYPE, device=DEVICE)
+    ops.store_kvcache(kv[:0], kv[:0], cache, cache.clone(), torch.empty(0, dtype=torch.int64, device=DEVICE))
+    ops.store_kvcache(kv, kv, cache, cache, torch.full((3,), -1, dtype=torch.int64, device=DEVICE))
+    assert cache.isnan().all()
+
+
+# ------------------------------------------------------------------------------------ paged attention
+
+# the mixed batch at every block size x GQA ratio; each pure batch once per block size
+CASES = [("mixed", bs, g) for bs in (16, 32, 256) for g in (1, 4, 8)] + [
+    ("decode", 16, 4), ("prefill", 16, 8), ("prefix", 16, 1),
+    ("decode", 32, 1), ("prefill", 32, 4), ("prefix", 32, 8),
+    ("decode", 256, 8), ("prefill", 256, 1), ("prefix", 256, 4),
+]
+
+
+@pytest.mark.parametrize("scenario,block_size,group", CASES)
+def test_paged_attention_matches_reference(scenario, block_size, group):
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=1 if group == 8 else 2,
+                       group=group, seed=block_size + group)
+    out = ops.paged_attention(*batch.args(), out=batch.nan_out())
+    assert out.isfinite().all(), "an output element was not written"
+    assert_close(out, batch.reference())
+
+
+def test_paged_attention_split_k_on_and_off_agree():
+    batch = make_batch(*SCENARIOS["mixed"], block_size=16, num_kv_heads=2, group=4, seed=3)
+    one = ops.paged_attention(*batch.args(), num_splits=1, out=batch.nan_out())
+    for splits in (2, 7):
+        many = ops.paged_attention(*batch.args(), num_splits=splits, out=batch.nan_out())
+        assert_close(many, one, atol=1e-2, rtol=1e-2) if DTYPE == torch.bfloat16 else assert_close(many, one)
+    assert_close(one, batch.reference())
+
+
+def test_paged_attention_hints_and_default_out():
+    batch = make_batch(*SCENARIOS["decode"], block_size=16, num_kv_heads=2, group=2, seed=4)
+    out = ops.paged_attention(*batch.args(), max_query_len=1, max_seq_len=max(SCENARIOS["decode"][1]))
+    assert_close(out, batch.reference())
+    batch = make_batch(*SCENARIOS["prefix"], block_size=32, num_kv_heads=2, group=2, seed=5)
+    assert_close(ops.paged_attention(*batch.args(), max_query_len=64, max_seq_len=300), batch.reference())
+
+
+def test_paged_attention_odd_shapes():
+    """Non-power-of-two head_dim, GQA group and block size (the engine tests use block size 8)."""
+    batch = make_batch([1, 9, 3], [20, 9, 45], block_size=8, num_kv_heads=2, group=3, head_dim=24, seed=6)
+    out = ops.paged_attention(*batch.args(), num_splits=3, out=batch.nan_out())
+    assert out.isfinite().all()
+    assert_close(out, batch.reference())
+
+
+def test_paged_attention_float16():
+    """The 16-bit path (P rounded before the PV product). bf16 runs on GPUs only: the interpreter's tl.dot
+    does not support it."""
+    batch = make_batch(*SCENARIOS["mixed"], block_size=16, num_kv_heads=2, group=4, seed=9, dtype=torch.float16)
+    for splits in (1, 3):
+        out = ops.paged_attention(*batch.args(), num_splits=splits, out=batch.nan_out())
+        assert out.isfinite().all()
+        assert_close(out, batch.reference(), atol=1e-2, rtol=1e-2)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 70)), min_size=1, max_size=4),
+    block_size=st.sampled_from([8, 16, 32]),
+    group=st.sampled_from([1, 2, 4]),
+    splits=st.sampled_from([1, 3]),
+)
+def test_paged_attention_random_batches(seqs, block_size, group, splits):
+    q_lens = [q for q, _ in seqs]
+    seq_lens = [q + prefix for q, prefix in seqs]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=2, group=group, head_dim=16)
+    out = ops.paged_attention(*batch.args(), num_splits=splits, out=batch.nan_out())
+    assert out.isfinite().all()
+    assert_close(out, batch.reference())
+
+
+# ------------------------------------------------------------------------------------- decode entry
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_paged_decode_attention_with_padded_rows(num_splits, block_size):
+    seq_lens = [33, 0, 1, 260, 0, 100]  # 0: CUDA-graph padding rows
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=block_size, num_kv_heads=2, group=4, seed=7)
+    padded = batch.seq_lens == 0
+    batch.block_tables[padded] = 1 << 30  # garbage a padded row must never follow
+    q = batch.q  # [batch, heads, head_dim]: one token per sequence
+    out = ops.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                     batch.scale, num_splits, out=torch.full_like(q, float("nan")))
+    assert (out[padded] == 0).all()
+    real = ~padded
+    k, v = batch.k_cache.float().nan_to_num(0.0), batch.v_cache.float().nan_to_num(0.0)
+    expected = ref.paged_decode_ref(q[real].float(), k, v, batch.block_tables[real], batch.seq_lens[real],
+                                    batch.scale)
+    assert_close(out[real], expected)
+
+
+def test_paged_decode_attention_all_rows_padded():
+    batch = make_batch([1, 1], [0, 0], block_size=16, seed=8)
+    out = ops.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
+                                     batch.scale, 4)
+    assert (out == 0).all()

@@ -1,0 +1,321 @@
+"""Sampler against plain-Python references: greedy, filtered sampling sets, frequencies, seeds, penalties,
+min_tokens and logprobs."""
+import math
+
+import pytest
+import torch
+
+from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.sampler import Sampler, SamplingMetadata, step_seed
+from nanoserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_seq(prompt=(5, 6, 7), output=(), request_id="r", **params) -> Sequence:
+    seq = Sequence(request_id, list(prompt), SamplingParams(**params), max_tokens=64)
+    for token in output:
+        seq.append_token(token)
+    return seq
+
+
+def sample(logits, seqs, sampler=None, eos=EOS):
+    return (sampler or Sampler())(logits, SamplingMetadata.from_seqs(seqs, eos, "cpu"))
+
+
+def random_logits(rows, vocab, seed=0, scale=3.0):
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+# ---- plain references ------------------------------------------------------------------------------------
+
+def softmax(values):
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    return [e / sum(exps) for e in exps]
+
+
+def allowed_tokens(row_logits, temperature, top_k, top_p, min_p):
+    """{token: probability} that sampling may return: top-k, then the smallest top-p nucleus, then min-p."""
+    order = sorted(range(len(row_logits)), key=lambda t: -row_logits[t])
+    if top_k > 0:
+        order = order[:top_k]
+    probs = softmax([row_logits[t] / temperature for t in order])
+    kept, mass = [], 0.0
+    for token, prob in zip(order, probs):
+        if mass >= top_p:
+            break
+        kept.append((token, prob))
+        mass += prob
+    best = kept[0][1]
+    kept = [(token, prob) for token, prob in kept if prob >= min_p * best]
+    mass = sum(prob for _, prob in kept)
+    return {token: prob / mass for token, prob in kept}
+
+
+def penalized(row_logits, prompt, output, repetition=1.0, presence=0.0, frequency=0.0):
+    out = list(row_logits)
+    for token in set(prompt) | set(output):
+        out[token] = out[token] / repetition if out[token] > 0 else out[token] * repetition
+    for token in set(output):
+        out[token] -= presence + frequency * output.count(token)
+    return out
+
+
+def log_softmax(values):
+    top = max(values)
+    norm = top + math.log(sum(math.exp(v - top) for v in values))
+    return [v - norm for v in values]
+
+
+# ---- greedy ----------------------------------------------------------------------------------------------
+
+def test_all_greedy_batch_is_argmax_and_builds_nothing():
+    logits = random_logits(6, 50)
+    seqs = [make_seq(temperature=0.0, top_k=5, top_p=0.5, request_id=str(i)) for i in range(6)]
+    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    assert meta.all_greedy and meta.top_ks is None and meta.top_ps is None and meta.penalties is None
+    out = Sampler()(logits, meta)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.top_logprobs == [None] * 6
+
+
+def test_greedy_rows_in_a_sampled_batch_take_the_argmax():
+    logits = random_logits(8, 100, seed=1, scale=0.1)  # flat: sampled rows rarely hit the argmax
+    seqs = [make_seq(temperature=0.0 if i % 2 else 1.5, request_id=str(i)) for i in range(8)]
+    for step in range(5):
+        out = sample(logits, seqs, Sampler(seed=step))
+        for i in range(1, 8, 2):
+            assert out.token_ids[i] == int(logits[i].argmax())
+
+
+def test_tiny_temperature_is_greedy():
+    logits = random_logits(3, 40)
+    out = sample(logits, [make_seq(temperature=1e-7, request_id=str(i)) for i in range(3)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_empty_batch():
+    out = sample(torch.empty(0, 10), [])
+    assert out.token_ids == [] and out.sampled_logprobs == [] and out.top_logprobs == []
+
+
+# ---- filtered sampling -----------------------------------------------------------------------------------
+
+FILTERS = [  # temperature, top_k, top_p, min_p
+    (1.0, 5, 1.0, 0.0),
+    (0.7, -1, 0.6, 0.0),
+    (1.3, 0, 1.0, 0.2),
+    (1.0, 10, 0.8, 0.05),
+    (2.0, 3, 0.3, 0.0),
+    (0.5, 1, 1.0, 0.0),
+]
+
+
+def test_samples_stay_inside_the_reference_top_k_top_p_min_p_set():
+    vocab, draws = 30, 400
+    logits = random_logits(len(FILTERS), vocab, seed=2, scale=1.5)
+    rows, seqs = [], []
+    for i, (t, k, p, m) in enumerate(FILTERS):
+        for j in range(draws):
+            rows.append(i)
+            seqs.append(make_seq(temperature=t, top_k=k, top_p=p, min_p=m, request_id=f"{i}-{j}"))
+    out = sample(logits[rows], seqs, Sampler(seed=3))
+    for i, (t, k, p, m) in enumerate(FILTERS):
+        allowed = allowed_tokens(logits[i].tolist(), t, k, p, m)
+        got = {tok for tok, row in zip(out.token_ids, rows) if row == i}
+        assert set(got) <= set(allowed), (FILTERS[i], set(got) - set(allowed))
+        likely = {token for token, prob in allowed.items() if prob > 0.03}  # P(never drawn in 400) < 1e-5
+        assert likely <= got
+
+
+def test_mixed_filters_do_not_leak_between_rows():
+    """A row without top-k next to a top-k=1 row still samples freely (per-row parameters stay per row)."""
+    logits = random_logits(1, 20, seed=4, scale=0.2).repeat(200, 1)
+    seqs = [make_seq(top_k=1 if i % 2 else -1, request_id=str(i)) for i in range(200)]
+    out = sample(logits, seqs)
+    assert set(out.token_ids[1::2]) == {int(logits[0].argmax())}
+    assert len(set(out.token_ids[0::2])) > 5
+
+
+def chi_square(counts, probs, total):
+    return sum((counts.get(t, 0) - total * p) ** 2 / (total * p) for t, p in enumerate(probs) if p > 0)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampling_frequencies_match_softmax(seeded):
+    """20k draws over a 6-token vocab at T=0.7: chi-square below the 0.1% critical value for 5 dof (20.5).
+    Deterministic: the Sampler and the per-row seeds are fixed."""
+    base = torch.tensor([[1.0, 0.5, 0.0, -0.5, 0.3, -1.0]])
+    total = 20000
+    seqs = [make_seq(temperature=0.7, seed=i if seeded else None, request_id=str(i)) for i in range(total)]
+    out = sample(base.repeat(total, 1), seqs, Sampler(seed=11))
+    counts = {t: out.token_ids.count(t) for t in set(out.token_ids)}
+    probs = softmax([v / 0.7 for v in base[0].tolist()])
+    assert chi_square(counts, probs, total) < 20.5
+
+
+def test_top_k_frequencies_match_the_renormalized_distribution():
+    base = torch.tensor([[2.0, 1.0, 0.5, 0.2, 0.1, 0.0]])
+    total = 20000
+    out = sample(base.repeat(total, 1), [make_seq(top_k=3, request_id=str(i)) for i in range(total)], Sampler(5))
+    counts = {t: out.token_ids.count(t) for t in set(out.token_ids)}
+    assert set(counts) == {0, 1, 2}
+    probs = softmax(base[0, :3].tolist()) + [0.0] * 3
+    assert chi_square(counts, probs, total) < 13.8  # 2 dof, 0.1%
+
+
+# ---- seeds -----------------------------------------------------------------------------------------------
+
+def test_seeded_row_ignores_batch_composition_and_position():
+    vocab = 500
+    target = random_logits(1, vocab, seed=6, scale=0.3)
+    seeded = make_seq(output=[1, 2, 3], seed=1234, top_p=0.95, request_id="seeded")
+    results = set()
+    for trial in range(6):
+        others = [make_seq(temperature=[0.0, 0.8, 1.2][j % 3], top_k=[-1, 7][j % 2], seed=None if j % 2 else j,
+                           request_id=str(j)) for j in range(trial)]
+        position = trial // 2
+        seqs = others[:position] + [seeded] + others[position:]
+        logits = torch.cat([random_logits(position, vocab, seed=trial), target,
+                            random_logits(trial - position, vocab, seed=100 + trial)])
+        out = sample(logits, seqs, Sampler(seed=trial))
+        results.add(out.token_ids[position])
+    assert len(results) == 1
+
+
+def test_seeded_row_repeats_across_calls_and_varies_with_step_and_seed():
+    logits = random_logits(1, 1000, seed=7, scale=0.1)
+    sampler = Sampler()
+    first = [sample(logits, [make_seq(seed=9)], sampler).token_ids[0] for _ in range(3)]
+    assert len(set(first)) == 1
+    by_step = {sample(logits, [make_seq(output=[4] * step, seed=9)]).token_ids[0] for step in range(10)}
+    by_seed = {sample(logits, [make_seq(seed=seed)]).token_ids[0] for seed in range(10)}
+    assert len(by_step) > 5 and len(by_seed) > 5
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = random_logits(4, 1000, seed=8, scale=0.1)
+    seqs = [make_seq(request_id=str(i)) for i in range(4)]
+    assert sample(logits, seqs, Sampler(seed=1)).token_ids == sample(logits, seqs, Sampler(seed=1)).token_ids
+    sampler = Sampler(seed=1)
+    assert sample(logits, seqs, sampler).token_ids != sample(logits, seqs, sampler).token_ids
+
+
+def test_step_seed_is_distinct():
+    values = {step_seed(seed, step) for seed in range(50) for step in range(50)}
+    assert len(values) == 2500 and all(0 <= v < 2 ** 63 for v in values)
+    assert step_seed(2 ** 64 + 5, 3) < 2 ** 63  # huge user seeds still fit a generator
+
+
+# ---- penalties, min_tokens -------------------------------------------------------------------------------
+
+PENALTY_ROWS = [  # prompt, output, repetition, presence, frequency
+    ([1, 2, 3], [3, 4, 4, 9], 1.3, 0.0, 0.0),
+    ([1, 2, 3], [3, 4, 4, 9], 1.0, 0.5, 0.0),
+    ([0, 7], [7, 7, 7, 1], 1.0, 0.0, 0.4),
+    ([5, 6], [6, 8, 8], 0.8, -0.3, 0.25),
+    ([1, 2], [2], 1.0, 0.0, 0.0),  # no penalty: untouched
+    ([4], [], 1.5, 1.0, 1.0),
+]
+
+
+def penalty_batch():
+    seqs = [make_seq(prompt=p, output=o, repetition_penalty=r, presence_penalty=pr, frequency_penalty=f,
+                     temperature=0.0, logprobs=3, request_id=str(i))
+            for i, (p, o, r, pr, f) in enumerate(PENALTY_ROWS)]
+    return random_logits(len(PENALTY_ROWS), 12, seed=9), seqs
+
+
+def test_penalties_match_the_formulas():
+    logits, seqs = penalty_batch()
+    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    edited = logits.clone()
+    meta.penalties.apply(edited)
+    for i, (prompt, output, r, pr, f) in enumerate(PENALTY_ROWS):
+        expected = penalized(logits[i].tolist(), prompt, output, r, pr, f)
+        assert edited[i].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_logprobs_and_greedy_choice_see_the_penalized_logits():
+    logits, seqs = penalty_batch()
+    out = sample(logits, seqs)
+    for i, (prompt, output, r, pr, f) in enumerate(PENALTY_ROWS):
+        expected = log_softmax(penalized(logits[i].tolist(), prompt, output, r, pr, f))
+        best = max(range(12), key=lambda t: expected[t])
+        assert out.token_ids[i] == best
+        assert out.sampled_logprobs[i] == pytest.approx(expected[best], abs=1e-5)
+    assert torch.equal(logits, penalty_batch()[0])  # the caller's logits are not modified
+
+
+def test_no_penalty_metadata_without_penalties():
+    assert SamplingMetadata.from_seqs([make_seq(output=[1, 1])], EOS, "cpu").penalties is None
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.zeros(1, 10)
+    logits[0, EOS], logits[0, 7], logits[0, 3] = 10.0, 9.0, 8.0
+    for produced in range(4):
+        seq = make_seq(output=[5] * produced, min_tokens=3, stop_token_ids=[7, 50], temperature=0.0, logprobs=0)
+        out = sample(logits, [seq])
+        assert out.token_ids == ([3] if produced < 3 else [EOS])
+    seq = make_seq(min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    meta = SamplingMetadata.from_seqs([seq], EOS, "cpu")
+    assert sorted(meta.banned[1].tolist()) == [EOS, 7]
+    for _ in range(20):
+        assert sample(logits, [seq]).token_ids[0] not in (EOS, 7)
+
+
+def test_min_tokens_without_eos_id_masks_stop_ids_only():
+    logits = torch.zeros(1, 10)
+    logits[0, EOS], logits[0, 7] = 10.0, 9.0
+    assert sample(logits, [make_seq(min_tokens=1, stop_token_ids=[EOS], temperature=0.0)], eos=None).token_ids \
+        == [7]
+
+
+def test_min_tokens_with_several_eos_ids_and_out_of_vocab_stop_ids():
+    logits = torch.zeros(1, 10)
+    logits[0, EOS], logits[0, 4], logits[0, 7] = 10.0, 9.0, 8.0
+    seq = make_seq(min_tokens=1, stop_token_ids=[12, 2 ** 70], temperature=0.0)
+    meta = SamplingMetadata.from_seqs([seq], [EOS, 4], "cpu")
+    assert Sampler()(logits, meta).token_ids == [7]
+
+
+# ---- logprobs --------------------------------------------------------------------------------------------
+
+def test_logprobs_are_log_softmax_and_top_n_are_the_largest():
+    logits = random_logits(4, 40, seed=10)
+    seqs = [make_seq(logprobs=n, temperature=t, request_id=str(i))
+            for i, (n, t) in enumerate([(5, 1.0), (0, 1.0), (None, 0.0), (20, 0.0)])]
+    out = sample(logits, seqs)
+    for i, n in enumerate([5, 0, None, 20]):
+        reference = log_softmax(logits[i].tolist())
+        token = out.token_ids[i]
+        assert out.sampled_logprobs[i] == pytest.approx(reference[token], abs=1e-5)
+        if n is None:
+            assert out.top_logprobs[i] is None
+            continue
+        largest = sorted(range(40), key=lambda t: -reference[t])[:n]
+        assert set(out.top_logprobs[i]) == set(largest) | {token}
+        for t, value in out.top_logprobs[i].items():
+            assert value == pytest.approx(reference[t], abs=1e-5)
+
+
+def test_logprobs_ignore_temperature_and_filters():
+    """Returned logprobs describe the (penalized) model distribution, not the tempered/filtered one."""
+    logits = random_logits(1, 30, seed=12)
+    out = sample(logits, [make_seq(temperature=0.3, top_k=2, logprobs=3)])
+    reference = log_softmax(logits[0].tolist())
+    assert out.sampled_logprobs[0] == pytest.approx(reference[out.token_ids[0]], abs=1e-5)
+
+
+# ---- metadata --------------------------------------------------------------------------------------------
+
+def test_uniform_parameters_become_scalars_and_mixed_ones_tensors():
+    same = [make_seq(temperature=0.8, top_p=0.9, request_id=str(i)) for i in range(3)]
+    meta = SamplingMetadata.from_seqs(same, EOS, "cpu")
+    assert meta.temperatures == 0.8 and meta.top_ps == pytest.approx(0.9) and meta.top_ks is None
+    mixed = [make_seq(temperature=t, top_k=k, request_id=str(i)) for i, (t, k) in enumerate([(0.0, 2), (0.5, -1)])]
+    meta = SamplingMetadata.from_seqs(mixed, EOS, "cpu")
+    assert meta.greedy.tolist() == [True, False]
+    assert meta.temperatures.view(-1).tolist() == [1.0, 0.5] and meta.top_ks.view(-1).tolist()[0] == 2

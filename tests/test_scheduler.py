@@ -1,0 +1,254 @@
+"""Scheduler: chunked prefill, token budget, preemption by recompute, prefix caching, admission checks."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256,
+                   prefix_caching=True) -> Scheduler:
+    config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_model_len=max_model_len, kvcache_block_size=block_size,
+                             enable_prefix_caching=prefix_caching)
+    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
+
+
+def add(scheduler: Scheduler, request_id: str, prompt, max_tokens=4) -> Sequence:
+    prompt = list(prompt)
+    scheduler.check_admissible(len(prompt), max_tokens)
+    seq = Sequence(request_id, prompt, SamplingParams(max_tokens=max_tokens), max_tokens)
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler: Scheduler, next_token=7):
+    """schedule -> fake model (appends next_token to sampling rows) -> postprocess -> finish at max_tokens."""
+    plan = scheduler.schedule()
+    assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert len(plan.scheduled) <= scheduler.max_num_seqs
+    scheduler.postprocess(plan)
+    plan.sampled = [s.seq.request_id for s in plan.scheduled if s.samples]  # before tokens are appended
+    for seq in plan.sampling_seqs:
+        seq.append_token(next_token)
+        if seq.num_output_tokens >= seq.max_tokens:
+            scheduler.finish(seq, "length")
+    return plan
+
+
+def run_to_completion(scheduler: Scheduler, max_steps=10_000) -> int:
+    steps = 0
+    while scheduler.has_unfinished():
+        step(scheduler)
+        steps += 1
+        assert steps < max_steps, "scheduler hangs"
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    return steps
+
+
+def rows(plan):
+    return [(s.seq.request_id, s.start_pos, s.num_new_tokens) for s in plan.scheduled]
+
+
+# ---------------------------------------------------------------- chunked prefill and budget
+
+def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
+    scheduler = make_scheduler(budget=8)
+    short = add(scheduler, "short", range(3), max_tokens=10)
+    plan = step(scheduler)
+    assert rows(plan) == [("short", 0, 3)] and plan.sampled == ["short"]
+    long = add(scheduler, "long", range(100, 120), max_tokens=2)
+    plans = [step(scheduler) for _ in range(3)]
+    assert [rows(p) for p in plans] == [
+        [("short", 3, 1), ("long", 0, 7)],
+        [("short", 4, 1), ("long", 7, 7)],
+        [("short", 5, 1), ("long", 14, 6)],
+    ]
+    assert not plans[0].is_decode_only
+    assert plans[1].sampled == ["short"]  # a mid-prompt chunk samples nothing
+    assert plans[2].sampled == ["short", "long"]
+    assert long.num_computed_tokens == 20 and long.num_output_tokens == 1
+    assert rows(step(scheduler)) == [("short", 6, 1), ("long", 20, 1)]
+    assert long.is_finished and long.finish_reason == "length"
+    assert scheduler.prompt_tokens_computed == 23
+    run_to_completion(scheduler)
+    assert short.num_output_tokens == 10
+
+
+def test_budget_and_max_num_seqs_are_respected():
+    scheduler = make_scheduler(num_blocks=200, budget=16, max_num_seqs=3)
+    seqs = [add(scheduler, f"r{i}", range(i, i + 5 + 3 * i), max_tokens=6) for i in range(8)]
+    while scheduler.has_unfinished():
+        plan = step(scheduler)
+        assert plan.num_batched_tokens <= 16 and len(plan.scheduled) <= 3
+        assert scheduler.num_running <= 3
+    assert all(s.finish_reason == "length" and s.num_output_tokens == 6 for s in seqs)
+    assert scheduler.num_preemptions == 0
+
+
+def test_waiting_queue_is_fifo_and_does_not_skip_ahead():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, budget=64)
+    add(scheduler, "big", range(24), max_tokens=4)  # 6 blocks + growth
+    step(scheduler)
+    add(scheduler, "blocked", range(100, 116), max_tokens=4)  # 4 blocks: does not fit next to "big"
+    add(scheduler, "small", [1], max_tokens=1)  # would fit, but must not jump the queue
+    plan = step(scheduler)
+    assert rows(plan) == [("big", 24, 1)]
+    assert [s.request_id for s in scheduler.waiting] == ["blocked", "small"]
+    scheduler.block_manager.check_invariants(scheduler.running)  # the undone prefix taking leaked nothing
+    run_to_completion(scheduler)
+
+
+# ---------------------------------------------------------------- preemption
+
+def test_newest_sequence_is_preempted_and_finishes_after_recompute():
+    scheduler = make_scheduler(num_blocks=6, block_size=2, budget=64, prefix_caching=False)
+    old = add(scheduler, "old", [1, 2, 3, 4], max_tokens=6)  # needs up to 5 blocks
+    new = add(scheduler, "new", [5, 6, 7, 8], max_tokens=6)
+    assert rows(step(scheduler)) == [("old", 0, 4), ("new", 0, 4)]  # 4 of 6 blocks used
+    plan = step(scheduler)  # both cross into a third block: all 6 used
+    assert rows(plan) == [("old", 4, 1), ("new", 4, 1)] and not plan.preempted
+    step(scheduler)
+    plan = step(scheduler)  # old needs a 4th block, none free: the newest goes
+    assert plan.preempted == [new] and rows(plan) == [("old", 6, 1)]
+    assert new.status == SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
+    generated_before = new.output_token_ids
+    recompute_rows = []
+    while scheduler.has_unfinished():
+        plan = step(scheduler)
+        recompute_rows += [r for r in rows(plan) if r[0] == "new" and r[1] == 0]
+    assert recompute_rows == [("new", 0, 4 + len(generated_before))]  # prompt + output computed again
+    assert new.output_token_ids[:len(generated_before)] == generated_before
+    assert old.finish_reason == new.finish_reason == "length"
+    assert old.num_output_tokens == new.num_output_tokens == 6
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_many_sequences_in_a_small_pool_all_finish():
+    scheduler = make_scheduler(num_blocks=10, block_size=2, max_num_seqs=6, budget=12)
+    seqs = [add(scheduler, f"r{i}", [i % 3] * (1 + i % 5), max_tokens=1 + (7 * i) % 9) for i in range(30)]
+    run_to_completion(scheduler)
+    assert scheduler.num_preemptions > 0
+    assert all(s.num_output_tokens == s.max_tokens for s in seqs)
+
+
+# ---------------------------------------------------------------- prefix caching
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_cache_cuts_prompt_tokens_computed_for_a_repeated_prompt(prefix_caching):
+    scheduler = make_scheduler(block_size=4, prefix_caching=prefix_caching)
+    prompt = list(range(33))
+    first = add(scheduler, "first", prompt)
+    run_to_completion(scheduler)
+    assert scheduler.prompt_tokens_computed == 33 and first.num_cached_tokens == 0
+    second = add(scheduler, "second", prompt)
+    plan = step(scheduler)
+    if prefix_caching:
+        assert rows(plan) == [("second", 32, 1)]
+        assert second.num_cached_tokens == 32 and scheduler.prefix_cache_hit_tokens == 32
+        assert scheduler.prompt_tokens_computed == 34
+    else:
+        assert rows(plan) == [("second", 0, 33)]
+        assert second.num_cached_tokens == 0 and scheduler.prefix_cache_hit_tokens == 0
+        assert scheduler.prompt_tokens_computed == 66
+    run_to_completion(scheduler)
+
+
+def test_running_sequences_share_a_prefix_while_both_are_live():
+    scheduler = make_scheduler(block_size=4)
+    system = list(range(40, 56))
+    a = add(scheduler, "a", system + [1, 2], max_tokens=8)
+    step(scheduler)
+    b = add(scheduler, "b", system + [3], max_tokens=8)
+    step(scheduler)
+    assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
+    assert scheduler.prompt_tokens_computed == 18 + 1
+    scheduler.block_manager.check_invariants(scheduler.running)
+    run_to_completion(scheduler)
+
+
+def test_preempted_sequence_reuses_its_own_cached_blocks():
+    scheduler = make_scheduler(num_blocks=8, block_size=2, budget=64)
+    add(scheduler, "old", [1, 2, 3, 4], max_tokens=8)
+    new = add(scheduler, "new", [5, 6, 7, 8, 9, 10], max_tokens=4)
+    step(scheduler)  # 2 + 3 blocks
+    for _ in range(3):  # pool exhausted at new's position 8: it is the newest and preempts itself
+        step(scheduler)
+    assert scheduler.num_preemptions == 1 and list(scheduler.waiting) == [new]
+    assert scheduler.block_manager.num_cached_blocks >= 4  # its 4 full blocks stay cached while free
+    while new.status == SequenceStatus.WAITING:
+        plan = step(scheduler)
+    restart = next(s for s in plan.scheduled if s.seq is new)
+    assert restart.start_pos == new.num_cached_tokens > 0  # resumed from its own cached prefix
+    run_to_completion(scheduler)
+    assert new.num_output_tokens == 4
+
+
+# ---------------------------------------------------------------- abort / finish
+
+def test_abort_waiting_and_running_frees_blocks():
+    scheduler = make_scheduler(max_num_seqs=1)
+    running = add(scheduler, "run", range(10))
+    waiting = add(scheduler, "wait", range(5))
+    step(scheduler)
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    assert scheduler.abort("wait") is waiting and waiting.finish_reason == "abort" and waiting.is_finished
+    assert scheduler.abort("run") is running and running.block_table == []
+    assert scheduler.abort("run") is None and scheduler.abort("nope") is None
+    assert not scheduler.has_unfinished()
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+def test_aborted_between_schedule_and_postprocess_is_skipped():
+    scheduler = make_scheduler()
+    add(scheduler, "a", range(10))
+    plan = scheduler.schedule()
+    scheduler.abort("a")
+    scheduler.postprocess(plan)
+    assert scheduler.prompt_tokens_computed == 0
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
+
+
+# ---------------------------------------------------------------- admission
+
+def test_admission_errors_name_the_field():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"^prompt: empty"):
+        scheduler.check_admissible(0, 4)
+    with pytest.raises(ValueError, match=r"^max_tokens: .*\(10\).*\(60\).*max_model_len \(64\)"):
+        scheduler.check_admissible(10, 60)
+    with pytest.raises(ValueError, match=r"^prompt: 64 tokens .*max_model_len \(64\)"):
+        scheduler.check_admissible(64, 1)
+    with pytest.raises(ValueError, match=r"^max_tokens: .*9 KV cache blocks.*only 8"):
+        scheduler.check_admissible(20, 13)  # 33 tokens -> 9 blocks of 4
+    with pytest.raises(ValueError, match=r"^prompt: .*only 8"):
+        scheduler.check_admissible(40, 1)
+    scheduler.check_admissible(20, 12)  # exactly 8 blocks: fits
+    scheduler.check_admissible(1, 1)
+
+
+# ---------------------------------------------------------------- host overhead
+
+def test_decode_step_host_overhead_at_256_sequences():
+    scheduler = make_scheduler(num_blocks=256 * 80, block_size=16, max_num_seqs=256, budget=8192,
+                               max_model_len=2048)
+    for i in range(256):
+        add(scheduler, f"r{i}", range(i, i + 100), max_tokens=1000)
+    step(scheduler)  # all prefills
+    for _ in range(5):
+        step(scheduler)
+    steps = 30
+    start = time.perf_counter()
+    for _ in range(steps):
+        plan = step(scheduler)
+    per_step_us = (time.perf_counter() - start) / steps * 1e6
+    assert len(plan.scheduled) == 256 and plan.is_decode_only
+    assert per_step_us < 5000, per_step_us  # loose on a shared CI box; the target is a small part of 300 us

@@ -1,0 +1,47 @@
+"""Tensor parallelism on CPU (gloo): tp=2 gives the logits of tp=1, and shutdown leaves no process behind."""
+from __future__ import annotations
+
+import multiprocessing
+
+import torch
+from test_model_runner import Blocks, make_runner, make_seq, random_ids, run_step
+
+from nanoserve.distributed import is_distributed
+
+
+def _steps(runner) -> list[torch.Tensor]:
+    """Batched prefill, two decode steps, then a chunked prefill mixed with decodes."""
+    blocks = Blocks(96, 4, seed=7)
+    seqs = [make_seq(f"tp{i}", random_ids(n, seed=60 + i)) for i, n in enumerate((1, 4, 11))]
+    out = [run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])]
+    for step in range(2):
+        for row, seq in enumerate(seqs):
+            seq.append_token(int(out[-1][row].argmax()))
+        out.append(run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in seqs]))
+    long = make_seq("long", random_ids(14, seed=70))
+    out.append(run_step(runner, blocks, [(long, 0, 6), (seqs[0], seqs[0].num_tokens - 1, 1)]))
+    seqs[0].append_token(3)
+    out.append(run_step(runner, blocks, [(seqs[0], seqs[0].num_tokens - 1, 1), (long, 6, 8)]))
+    return out
+
+
+def test_tp2_matches_tp1_and_shuts_down_cleanly(tiny_models):
+    model_dir = tiny_models["qwen3"]  # 4 heads, 2 kv heads: one kv head per rank
+    single = make_runner(model_dir)
+    expected = _steps(single)
+    single.shutdown()
+
+    runner = make_runner(model_dir, tensor_parallel_size=2)
+    try:
+        assert is_distributed() and runner.attention_layers[0].num_kv_heads == 1
+        assert runner.model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == (2 + 1 + 1) * 16
+        got = _steps(runner)
+        procs = list(runner.workers.procs)
+        assert all(p.is_alive() for p in procs)
+    finally:
+        runner.shutdown()
+    for ours, ref in zip(got, expected):
+        torch.testing.assert_close(ours, ref, atol=1e-4 * max(1.0, float(ref.abs().max())), rtol=1e-4)
+    assert not any(p.is_alive() for p in procs)
+    assert multiprocessing.active_children() == []
+    assert not is_distributed()
