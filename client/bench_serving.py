@@ -99,7 +99,7 @@ async def run_served(url: str, model: str, prompts: list[str], params: dict, con
 
 
 def run_inprocess(model_dir: str, engine_args: dict, prompts: list[str], params: dict, concurrency: int,
-                  warmup: int) -> RunResult:
+                  warmup_prompts: list[str] = ()) -> RunResult:
     """The same prompts through the offline API, with at most `concurrency` sequences running, like the server."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.config import EngineConfig
@@ -108,27 +108,27 @@ def run_inprocess(model_dir: str, engine_args: dict, prompts: list[str], params:
     engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", default_seqs), concurrency)}
     with LLM(model_dir, **engine_args) as llm:
         sampling = SamplingParams(**params)
-        if warmup:
-            llm.generate(prompts[:warmup], sampling, use_tqdm=False)
+        if warmup_prompts:
+            llm.generate(list(warmup_prompts), sampling, use_tqdm=False)
         start = time.perf_counter()
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         return RunResult(time.perf_counter() - start, sum(len(o.token_ids) for o in outputs))
 
 
-def served_with_warmup(url: str, args, prompts: list[str], params: dict) -> RunResult:
-    if args.warmup:
-        asyncio.run(run_served(url, args.model, prompts[:args.warmup], params, args.concurrency))
+def served_with_warmup(url: str, args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
+    if warmup_prompts:
+        asyncio.run(run_served(url, args.model, warmup_prompts, params, args.concurrency))
     return asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))
 
 
-def bench_launched(args, prompts: list[str], params: dict) -> RunResult:
+def bench_launched(args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
     from nanoserve.serving.launcher import TritonServer, free_ports
 
     log = Path(args.log_file).resolve()
     with TritonServer(args.model_repository, *free_ports(3), log_file=log) as server:
         print(f"starting tritonserver (log: {log})", file=sys.stderr, flush=True)
         server.wait_ready(args.timeout, models=[args.model])
-        return served_with_warmup(server.url_grpc, args, prompts, params)
+        return served_with_warmup(server.url_grpc, args, prompts, warmup_prompts, params)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,13 +143,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup", type=int, default=4, help="requests sent before each timed run")
+    parser.add_argument("--warmup", type=int, help="requests (other prompts, same shape) run before each timed "
+                        "run (default: --concurrency)")
     parser.add_argument("--no-inprocess", action="store_true")
     parser.add_argument("--min-ratio", type=float, help="exit 1 when served/in-process is below this")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     parser.add_argument("--log-file", default="bench_serving_tritonserver.log")
     args = parser.parse_args(argv)
     args.num_prompts = args.num_prompts or args.concurrency
+    args.warmup = args.concurrency if args.warmup is None else args.warmup
     return args
 
 
@@ -159,10 +161,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     engine_args = load_engine_args(str(Path(args.model_repository) / args.model))
     model_dir = engine_args.pop("model")
-    prompts = make_prompts(engine_args.get("tokenizer") or model_dir, args.num_prompts, args.input_len, args.seed)
+    tokenizer = engine_args.get("tokenizer") or model_dir
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
+    warmup_prompts = make_prompts(tokenizer, args.warmup, args.input_len, args.seed + 1)  # not prefix-cached
     params = sampling_parameters(args)
-    served = (served_with_warmup(args.url, args, prompts, params) if args.url
-              else bench_launched(args, prompts, params))
+    served = (served_with_warmup(args.url, args, prompts, warmup_prompts, params) if args.url
+              else bench_launched(args, prompts, warmup_prompts, params))
     print(served.describe("served", args.num_prompts))
     expected = args.num_prompts * args.output_len
     if served.output_tokens != expected:
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
     if args.no_inprocess:
         return 0
-    local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, args.warmup)
+    local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, warmup_prompts)
     print(local.describe("in-process", args.num_prompts))
     ratio = served.tokens_per_s / local.tokens_per_s
     print(f"served / in-process: {ratio:.3f} at {args.concurrency} streams (target >= 0.95)")

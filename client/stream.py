@@ -80,7 +80,7 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
     client = grpcclient.InferenceServerClient(url)
     result = StreamResult()
     try:
-        client.start_stream(callback=lambda res, err: responses.put((res, err)))
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
         start = time.perf_counter()
         client.async_stream_infer(model, grpc_inputs(prompt, params), request_id=request_id,
                                   enable_empty_final_response=True)

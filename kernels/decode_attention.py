@@ -169,11 +169,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"  # fp32: ~ieee accuracy on tensor cores; 16-bit: unused
 
 
-def check_paged_args(q, k_cache, v_cache) -> None:
+def check_paged_args(q, k_cache, v_cache, out) -> None:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1, "k/v caches need one layout"
-    assert q.stride(-1) == 1, "q needs a contiguous last dim"
+    assert q.stride(-1) == 1 and out.stride(-1) == 1, "q and out need a contiguous last dim"
+    assert out.shape == q.shape, "out must have q's shape"
     assert q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads"
-    assert q.shape[2] >= 16, "head_dim >= 16 (tl.dot)"
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -181,9 +181,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence, q [batch, num_heads, head_dim] (mirrors reference.paged_decode_ref).
     Rows with seq_len 0 (CUDA-graph padding) give zeros and read no K/V or block table."""
-    check_paged_args(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
+    check_paged_args(q, k_cache, v_cache, out)
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[2], q.device)
     launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits)

@@ -22,9 +22,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Optional hints (from the attention metadata, never required): max_query_len == 1 skips the prefill
     launch; max_seq_len caps the number of decode splits. num_splits forces the decode split count.
     """
-    check_paged_args(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
+    check_paged_args(q, k_cache, v_cache, out)
     batch = seq_lens.shape[0]
     if num_splits is None:
         num_splits = default_num_splits(batch, k_cache.shape[2], q.device, max_seq_len)

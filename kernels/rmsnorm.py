@@ -1,4 +1,4 @@
-"""RMSNorm and fused residual-add + RMSNorm, one program per row (mirrors reference.rms_norm_ref).
+"""RMSNorm and fused residual-add + RMSNorm over rows (mirrors reference.rms_norm_ref).
 
 Rounding follows the reference: the normalized row is rounded to x's dtype before the weight multiply,
 and in the fused version the sum is rounded to the residual-stream dtype before it is normalized.
@@ -11,22 +11,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, num_rows,
                      stride_x, stride_r, stride_o, stride_s,
-                     N: tl.constexpr, BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+                     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows < num_rows) & (cols < N)
+    x = tl.load(x_ptr + rows * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
-        x += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(res_ptr + rows * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(sum_ptr.dtype.element_ty)
-        tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
+        tl.store(sum_ptr + rows * stride_s + cols, x, mask=mask)
         x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / N + eps)[:, None]
     normed = (x * rstd).to(sum_ptr.dtype.element_ty).to(tl.float32)  # round like the reference
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -35,12 +35,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2, res2, weight, out, summed, eps, add_residual):
-    n = x2.shape[-1]
+    num_rows, n = x2.shape
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, res2, weight, out, summed, eps,
+    rows = max(1, min(2048 // block, 16))  # short rows (per-head q/k norm): several rows per program
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x2, res2, weight, out, summed, eps, num_rows,
         x2.stride(0), res2.stride(0), out.stride(0), summed.stride(0),
-        N=n, BLOCK=block, ADD_RESIDUAL=add_residual, num_warps=min(max(block // 256, 1), 16),
+        N=n, BLOCK=block, ROWS=rows, ADD_RESIDUAL=add_residual, num_warps=min(max(rows * block // 256, 1), 16),
     )
 
 

@@ -49,7 +49,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     cos, sin = _last_dim_contiguous(cos), _last_dim_contiguous(sin)
     num_tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
-    q_out, k_out = torch.empty(q.shape, device=q.device, dtype=q.dtype), torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    q_out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    k_out = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     if num_tokens == 0:
         return q_out, k_out
     half = head_dim // 2

@@ -46,7 +46,8 @@ def _ptxas_report(kernel) -> str:
 
 
 def _kernels():
-    """(label, kernel fn, arg types, constexprs, num_warps, num_stages) at Qwen3-like shapes."""
+    """(label, kernel fn, arg types, constexprs, num_warps, num_stages) at Qwen3-like shapes; the
+    constexprs and warps follow what the launchers in kernels/ pick for those shapes."""
     from nanoserve.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rotary
 
     bf16, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
@@ -65,11 +66,13 @@ def _kernels():
     yield ("store_kvcache", kv_store._store_kvcache_kernel,
            dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, slot_ptr=i64),
            dict(BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128), 4, 3)
-    yield ("fused_add_rms_norm", rmsnorm._rms_norm_kernel,
-           dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, sum_ptr=bf16, eps="fp32"),
-           dict(N=1024, BLOCK=1024, ADD_RESIDUAL=True), 4, 3)
-    yield ("rotary", rotary._rotary_kernel, {n: bf16 for n in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "cos_ptr",
-                                                                "sin_ptr")},
+    norm = dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, sum_ptr=bf16, eps="fp32")
+    yield ("fused_add_rms_norm", rmsnorm._rms_norm_kernel, norm,
+           dict(N=1024, BLOCK=1024, ROWS=2, ADD_RESIDUAL=True), 8, 3)
+    yield ("rms_norm per head", rmsnorm._rms_norm_kernel, norm,
+           dict(N=128, BLOCK=128, ROWS=16, ADD_RESIDUAL=False), 8, 3)
+    rope = {n: bf16 for n in ("q_ptr", "k_ptr", "qo_ptr", "ko_ptr")} | dict(cos_ptr=f32, sin_ptr=f32)
+    yield ("rotary", rotary._rotary_kernel, rope,
            dict(Q_HEADS=16, K_HEADS=8, Q_HEADS_PAD=16, K_HEADS_PAD=8, HALF=64, HALF_PAD=64), 4, 3)
     yield ("silu_and_mul", activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16),
            dict(N=3072, BLOCK=1024), 4, 3)

@@ -156,7 +156,7 @@ def test_merged_column_shards(as_rank):
 def test_qkv_shards_by_heads(as_rank, tp, num_kv_heads):
     heads, head_dim, hidden = 4, 3, 12
     wq, wk, wv = (torch.randn(n * head_dim, hidden) for n in (heads, num_kv_heads, num_kv_heads))
-    bq, bk, bv = torch.randn(heads * head_dim), torch.randn(num_kv_heads * head_dim), torch.randn(num_kv_heads * head_dim)
+    bq, bk, bv = (torch.randn(n * head_dim) for n in (heads, num_kv_heads, num_kv_heads))
 
     def load(layer):
         for shard, w, b in (("q", wq, bq), ("k", wk, bk), ("v", wv, bv)):

@@ -188,3 +188,16 @@ def test_default_max_tokens_does_not_truncate_at_16(qwen3_dir, make_llm):
     llm = make_llm(qwen3_dir, max_model_len=64)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 64 - 3 and out.finish_reason == "length"
+
+
+def test_triton_attention_backend_matches_torch(qwen3_dir, make_llm):
+    """Under TRITON_INTERPRET=1 (set by conftest) the Triton kernels run on the CPU."""
+    prompts = random_prompts([1, 19, 2 * BLOCK], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    by_backend = {}
+    for backend in ("torch", "triton"):
+        llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, attention_backend=backend, num_kvcache_blocks=32,
+                       max_num_batched_tokens=24)  # 24 splits the prompts: chunked prefill on a cached prefix
+        by_backend[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert by_backend["triton"] == by_backend["torch"]
+    assert by_backend["torch"] == [hf_greedy(qwen3_dir, p, params.max_tokens) for p in prompts]

@@ -259,3 +259,45 @@ def test_step_batch_is_plain_host_data():
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
                  "sample_rows"):
         assert isinstance(getattr(batch, name), np.ndarray), name
+
+
+def test_triton_kernels_match_hf(tiny_models, monkeypatch):
+    """The CUDA path's kernels (attention, KV store, norms, rotary, SiLU) run on CPU through the Triton
+    interpreter (TRITON_INTERPRET=1, set in conftest)."""
+    pytest.importorskip("nanoserve.kernels.ops")
+    from nanoserve.layers import activation, norm, rotary
+
+    def kernel_always(name, reference, x):
+        kernel = activation.cuda_op(name)
+        assert kernel is not None, name
+        return kernel
+
+    for module in (activation, norm, rotary):
+        monkeypatch.setattr(module, "pick", kernel_always)
+    model_dir = tiny_models["qwen3"]
+    runner = make_runner(model_dir, attention_backend="triton")
+    blocks = Blocks(96, 4, seed=8)
+    seqs = [make_seq(f"k{i}", random_ids(n, seed=80 + i)) for i, n in enumerate((1, 8, 7))]
+    check_rows(model_dir, run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs]), seqs)
+    for seq in seqs:
+        seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+    late = make_seq("late", random_ids(6, seed=90))
+    logits = run_step(runner, blocks, [(seqs[0], 1, 1), (late, 0, 6), (seqs[1], 8, 1), (seqs[2], 7, 1)])
+    check_rows(model_dir, logits, [seqs[0], late, seqs[1], seqs[2]])
+    logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in (seqs[0], late)])  # decode only
+    check_rows(model_dir, logits, [seqs[0], late])
+    runner.shutdown()
+
+
+def test_warmup_forward_at_the_largest_batch(tiny_models):
+    """The warm-up that sizes the KV cache on CUDA (here on CPU): a scratch cache, then unbound."""
+    runner = make_runner(tiny_models["qwen2"], max_num_batched_tokens=64, max_model_len=32, max_num_seqs=4)
+    scratch = runner._warmup()  # 2 sequences of 32 tokens: 16 blocks of 4
+    assert scratch == 16 * 2048  # a block (k and v, 2 layers, 4 slots, 2 kv heads, head_dim 16) is 2048 bytes
+    assert runner.attention_layers[0].k_cache.numel() == 0
+    runner.shutdown()
+
+
+def test_flash_attn_needs_big_blocks(tiny_models):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        make_runner(tiny_models["qwen3"], attention_backend="flash_attn", block_size=16)

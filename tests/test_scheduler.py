@@ -1,7 +1,6 @@
 """Scheduler: chunked prefill, token budget, preemption by recompute, prefix caching, admission checks."""
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -233,22 +232,3 @@ def test_admission_errors_name_the_field():
         scheduler.check_admissible(40, 1)
     scheduler.check_admissible(20, 12)  # exactly 8 blocks: fits
     scheduler.check_admissible(1, 1)
-
-
-# ---------------------------------------------------------------- host overhead
-
-def test_decode_step_host_overhead_at_256_sequences():
-    scheduler = make_scheduler(num_blocks=256 * 80, block_size=16, max_num_seqs=256, budget=8192,
-                               max_model_len=2048)
-    for i in range(256):
-        add(scheduler, f"r{i}", range(i, i + 100), max_tokens=1000)
-    step(scheduler)  # all prefills
-    for _ in range(5):
-        step(scheduler)
-    steps = 30
-    start = time.perf_counter()
-    for _ in range(steps):
-        plan = step(scheduler)
-    per_step_us = (time.perf_counter() - start) / steps * 1e6
-    assert len(plan.scheduled) == 256 and plan.is_decode_only
-    assert per_step_us < 5000, per_step_us  # loose on a shared CI box; the target is a small part of 300 us

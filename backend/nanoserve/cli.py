@@ -103,7 +103,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if extra and args.command != "serve":
         build_parser().error("extra tritonserver arguments after -- only go with `serve`")
-    return args.run(args, extra)
+    try:
+        return args.run(args, extra)
+    except KeyboardInterrupt:  # the server (if any) is already stopped by its context manager
+        return 130
 
 
 if __name__ == "__main__":

@@ -52,12 +52,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        IncrementalDetokenizer(self.tokenizer, [])  # builds the tokenizer's byte table now, not at the first request
         self.model_runner = ModelRunner(config)  # fixes config.num_kvcache_blocks
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.vocab_size = config.hf_config.vocab_size
         self.eos_token_ids = _eos_token_ids(config, self.tokenizer)
+        self.model_runner.eos_token_id = sorted(self.eos_token_ids)  # min_tokens bans every EOS id
         self.requests: dict[str, _Request] = {}
         self.pending_outputs: list[RequestOutput] = []  # abort notices, emitted by the next step()
         self.last_step = StepStats()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from nanoserve.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start_pos: int  # first position computed this step (== seq.num_computed_tokens at schedule time)

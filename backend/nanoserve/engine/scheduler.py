@@ -98,7 +98,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
-        if True:
+        if not plan.preempted:
             self._schedule_waiting(plan, budget)
         return plan
 

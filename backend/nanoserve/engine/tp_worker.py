@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+import time
 import traceback
 
 
@@ -27,9 +28,25 @@ class TPWorkers:
             self.conns.append(parent)
             self.procs.append(proc)
 
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        """Wait until every worker has started (imports done), so that a worker that dies early is reported
+        instead of leaving rank 0 blocked forever in the process-group rendezvous."""
+        deadline = time.monotonic() + timeout
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs), start=1):
+            while not conn.poll(0.5):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tensor-parallel rank {rank} exited during startup (exit code "
+                                       f"{proc.exitcode}); see its traceback above")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {timeout:.0f} s")
+            conn.recv()
+
     def call(self, method: str, *args) -> None:
-        for conn in self.conns:
-            conn.send((method, args))
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited") from None
 
     def shutdown(self, timeout: float = 30.0) -> None:
         for conn in self.conns:
@@ -52,6 +69,7 @@ def worker_main(config, rank: int, dist_port: int, conn) -> None:
 
     runner = None
     try:
+        conn.send("ready")
         runner = ModelRunner(config, rank=rank, dist_port=dist_port)
         while True:
             method, args = conn.recv()

@@ -48,8 +48,10 @@ def _triton_backend():
 
     def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # the hints let a decode-only step skip the prefill launch and size the decode split-K
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                   meta.seq_lens, scale)
+                                   meta.seq_lens, scale, max_query_len=meta.max_query_len,
+                                   max_seq_len=meta.max_seq_len)
     return attend
 
 

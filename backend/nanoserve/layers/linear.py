@@ -15,14 +15,16 @@ from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_size
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch: parameter (shard) has {tuple(dst.shape)}, checkpoint gives {tuple(src.shape)}")
+        raise ValueError(f"shape mismatch: parameter (shard) has {tuple(dst.shape)}, "
+                         f"checkpoint gives {tuple(src.shape)}")
     dst.copy_(src)
 
 
 def take_shard(loaded: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
     """loaded.narrow(dim, start, size), after checking that loaded is the full (unsharded) tensor."""
     if loaded.dim() <= dim or loaded.shape[dim] != full:
-        raise ValueError(f"shape mismatch: expected size {full} along dim {dim}, checkpoint gives {tuple(loaded.shape)}")
+        raise ValueError(f"shape mismatch: expected size {full} along dim {dim}, "
+                         f"checkpoint gives {tuple(loaded.shape)}")
     return loaded.narrow(dim, start, size)
 
 

@@ -1,15 +1,18 @@
 """The ensemble (preprocessing -> token-level engine -> postprocessing) and its stateless detokenization.
 
 Detokenizing each streamed chunk on its own loses spaces and splits multi-byte characters (the TRT-LLM
-ensemble's known bug). Here the token model sends with every response the CONTEXT_IDS ids that precede the new
-ones (prompt tail, then earlier output), and the postprocessing model computes the delta from those alone:
+ensemble's known bug). Here the token model sends with every response the CONTEXT_IDS output ids that precede
+the new ones, and the postprocessing model computes the delta from those alone:
 
-    delta = settled(decode(context + new)) - settled(decode(context))
+    delta = committed(context + new) - committed(context)      (the last response: all of context + new)
 
-where settled() drops a trailing U+FFFD (an incomplete UTF-8 sequence: held back until the bytes that complete it
-arrive; the final response keeps it). Text that decoding renders differently at the window's start (a leading
-space, a cut character) is the same on both sides and cancels, so the deltas concatenate to the text of the whole
-output, as the engine's own detokenizer produces it for the text model.
+committed(ids) is the text of ids up to the last point no later token can change: not inside a character
+(the text would end with U+FFFD) nor after a SentencePiece <0xNN> byte token (a run of those decodes as a
+whole). The engine's IncrementalDetokenizer commits at the same points, so the deltas concatenate to the text
+the text model returns; whatever decoding does at the window's start (a dropped leading space, a cut character)
+is the same on both sides of the subtraction and cancels.
+Stop strings end generation in the token model too, but the postprocessing does not know them: the ensemble's
+text includes the tokens that completed the match (the text model cuts it before the stop string).
 """
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ import os
 
 import numpy as np
 
+from nanoserve.engine.detokenizer import REPLACEMENT
 from nanoserve.serving.responses import Stream, optional_arrays
 
 CONTEXT_IDS = 16
-REPLACEMENT_CHAR = "\ufffd"
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
@@ -41,7 +44,7 @@ def token_arrays(stream: Stream, output) -> dict | None:
         new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
             output.num_output_tokens
         earlier = []
-    context = (request.prompt[-CONTEXT_IDS:] + earlier[-CONTEXT_IDS:])[-CONTEXT_IDS:]
+    context = earlier[-CONTEXT_IDS:]  # output only: the engine decodes the output without the prompt
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(context, dtype=np.int32),
@@ -62,17 +65,24 @@ def engine_tokenizer(args: dict):
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------
-def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool,
-                 skip_special_tokens: bool = True) -> str:
-    before = _settled(tokenizer.decode(context_ids, skip_special_tokens=skip_special_tokens))
-    after = tokenizer.decode(list(context_ids) + list(new_ids), skip_special_tokens=skip_special_tokens)
-    if not final:
-        after = _settled(after)
-    return after[len(before):]
+def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool) -> str:
+    ids = list(context_ids) + list(new_ids)
+    after = tokenizer.decode(ids, skip_special_tokens=True) if final else _committed(tokenizer, ids)
+    return after[len(_committed(tokenizer, list(context_ids))):]
 
 
-def _settled(text: str) -> str:
-    return text.rstrip(REPLACEMENT_CHAR)
+def _committed(tokenizer, ids: list[int]) -> str:
+    for end in range(len(ids), 0, -1):
+        if _is_byte_token(tokenizer.convert_ids_to_tokens(ids[end - 1])):
+            continue
+        text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+        if not text.endswith(REPLACEMENT):
+            return text
+    return ""
+
+
+def _is_byte_token(token) -> bool:
+    return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
 
 # ---- preprocessing side ---------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""Helpers for the serving tests: a real tritonserver on free 127.0.0.1 ports, and small clients."""
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import re
+import shutil
+import signal
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from nanoserve.serving.launcher import SHM_DIR, TritonServer, free_ports, make_model_repository
+
+TIMEOUT = 120
+
+
+@contextlib.contextmanager
+def triton(tmp_dir, checkpoint, models, **engine_args):
+    """A tritonserver serving `models` of the repo's model_repository/ template, pointed at checkpoint. On exit
+    it checks that SIGTERM shut the server down cleanly (every FINAL sent, stubs gone, no shared memory left)."""
+    repo = make_model_repository(tmp_dir / "model_repository", checkpoint, **engine_args)
+    for model_dir in repo.iterdir():
+        if model_dir.name not in models:
+            shutil.rmtree(model_dir)
+    http, grpc, metrics = free_ports(3)
+    server = TritonServer(repo, http, grpc, metrics, log_file=tmp_dir / "tritonserver.log", exit_timeout_secs=5)
+    try:
+        server.start()
+        server.wait_ready(TIMEOUT, models=models)
+        yield server
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(60)
+        left = sorted(p.name for p in SHM_DIR.glob(server.shm_prefix + "*"))
+        assert code == 0, f"tritonserver exited with {code}:\n{server.log_tail()}"
+        assert not left, f"shared memory left behind: {left}"
+    finally:
+        server.stop(timeout=10)  # kills the process group and removes shm, also after a failure
+
+
+# ---- gRPC streaming ---------------------------------------------------------------------------------------
+@dataclass
+class Streamed:
+    responses: list[dict] = field(default_factory=list)  # output name -> numpy array, per data response
+    error: Exception | None = None
+    num_empty_final: int = 0
+
+    @property
+    def texts(self) -> list[str]:
+        return [r["text_output"][0].decode() for r in self.responses if "text_output" in r]
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def tensors(**values) -> list:
+    """name=value -> InferInputs: str -> BYTES, bool -> BOOL, numpy arrays as they are."""
+    inputs = []
+    for name, value in values.items():
+        if isinstance(value, str):
+            array = np.array([value.encode()], dtype=np.object_)
+        elif isinstance(value, bytes):
+            array = np.array([value], dtype=np.object_)
+        elif isinstance(value, bool):
+            array = np.array([value])
+        elif isinstance(value, dict):
+            array = np.array([json.dumps(value).encode()], dtype=np.object_)
+        else:
+            array = np.asarray(value)
+        dtype = "BYTES" if array.dtype == np.object_ else grpcclient.np_to_triton_dtype(array.dtype)
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+OUTPUT_NAMES = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
+                "num_output_tokens", "output_ids", "context_ids")
+
+
+def stream(server, model: str, parameters: dict | None = None, **inputs) -> Streamed:
+    """One request over a gRPC stream; returns once its FINAL response (or an error) arrived."""
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    try:
+        client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
+        return _collect(events)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def _collect(events: queue.Queue) -> Streamed:
+    out = Streamed()
+    while True:
+        result, error = events.get(timeout=TIMEOUT)
+        if error is not None:
+            out.error = error
+            return out
+        arrays = {name: result.as_numpy(name) for name in OUTPUT_NAMES if result.as_numpy(name) is not None}
+        if arrays:
+            out.responses.append(arrays)
+        else:
+            out.num_empty_final += 1
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            return out
+
+
+# ---- HTTP -------------------------------------------------------------------------------------------------
+def http_post(server, path: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{server.url_http}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def sse_events(body: bytes) -> list[dict]:
+    return [json.loads(line[len(b"data:"):]) for line in body.splitlines() if line.startswith(b"data:")]
+
+
+def is_ready(server) -> bool:
+    return server._http_ok("/v2/health/ready")
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------
+_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+
+
+def metrics(server, model: str) -> dict:
+    """nanoserve_* samples of one model: {"name": value} or {"name{reason=x}": value} (model/version dropped)."""
+    with urllib.request.urlopen(server.url_metrics, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or not match.group(1).startswith("nanoserve_"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if labels.pop("model", None) != model:
+            continue
+        labels.pop("version", None)
+        key = match.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+        samples[key] = float(match.group(3))
+    return samples

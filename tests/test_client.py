@@ -1,0 +1,100 @@
+"""The streaming client against a real tritonserver serving the tiny model: gRPC streaming and HTTP SSE give
+the same text as the offline engine (greedy), and so do the CLI, `nanoserve demo` and the serving benchmark's
+streams."""
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # client/ is a top-level folder, not part of the installed package
+
+from client import bench_serving, stream  # noqa: E402
+from triton_server import TEST_ENGINE_ARGS, nanoserve_server  # noqa: E402, F401 (fixture)
+
+pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    """The offline engine's greedy completion of PROMPT."""
+    from nanoserve import LLM, SamplingParams
+
+    with LLM(qwen3_dir, **TEST_ENGINE_ARGS) as llm:
+        return llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+
+
+def greedy_params() -> dict:
+    return stream.sampling_parameters(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def test_grpc_stream_matches_offline(nanoserve_server, reference):
+    printed = []
+    result = stream.stream_grpc(nanoserve_server.url_grpc, "nanoserve", PROMPT, greedy_params(),
+                                on_text=printed.append)
+    assert result.text == reference.text and "".join(printed) == reference.text
+    assert len(result.deltas) > 1, "expected the text in several streamed deltas"
+    assert result.num_output_tokens == len(reference.token_ids) == MAX_TOKENS
+    assert result.finish_reason == "length"
+    assert 0 < result.ttft <= result.total
+
+
+def test_http_sse_matches_offline(nanoserve_server, reference):
+    result = stream.stream_http(nanoserve_server.url_http, "nanoserve", PROMPT, greedy_params())
+    assert result.text == reference.text
+    assert len(result.deltas) > 1
+    assert result.num_output_tokens == MAX_TOKENS and result.finish_reason == "length"
+
+
+def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
+    for protocol, url in (("grpc", nanoserve_server.url_grpc), ("http", nanoserve_server.url_http)):
+        done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), PROMPT, "--protocol", protocol,
+                               "--url", url, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--stats"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == reference.text + "\n"
+        assert f"output tokens: {MAX_TOKENS}" in done.stderr and "time to first token" in done.stderr
+
+
+def test_unknown_model_raises(nanoserve_server):
+    with pytest.raises(RuntimeError, match="no_such_model"):
+        stream.stream_grpc(nanoserve_server.url_grpc, "no_such_model", PROMPT, greedy_params(), timeout=30)
+    with pytest.raises(RuntimeError, match="no_such_model"):
+        stream.stream_http(nanoserve_server.url_http, "no_such_model", PROMPT, greedy_params(), timeout=30)
+
+
+def test_bench_serving_streams_every_token(nanoserve_server, qwen3_dir):
+    prompts = bench_serving.make_prompts(qwen3_dir, num_prompts=6, input_len=8, seed=0)
+    params = {"max_tokens": 5, "ignore_eos": True, "temperature": 0.0}
+    result = asyncio.run(bench_serving.run_served(nanoserve_server.url_grpc, "nanoserve", prompts, params,
+                                                  concurrency=4))
+    assert result.output_tokens == 6 * 5
+    assert len(result.ttfts) == 6 and result.seconds > 0
+
+
+def test_bench_serving_inprocess_counts_tokens(qwen3_dir):
+    prompts = bench_serving.make_prompts(qwen3_dir, num_prompts=3, input_len=8, seed=0)
+    params = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    result = bench_serving.run_inprocess(qwen3_dir, TEST_ENGINE_ARGS, prompts, params, concurrency=2,
+                                         warmup_prompts=prompts[:1])
+    assert result.output_tokens == 3 * 4
+
+
+def test_demo_streams_the_offline_completion(tmp_path, qwen3_dir):
+    """`nanoserve demo` builds the tiny model (same weights as qwen3_dir: same seed) and streams it greedily."""
+    from nanoserve import LLM, SamplingParams
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "demo", "--cache-dir", str(tmp_path),
+                           "--prompt", PROMPT, "--max-tokens", "12"], capture_output=True, text=True,
+                          timeout=400, env=env)
+    assert done.returncode == 0, done.stderr + (tmp_path / "demo-tritonserver.log").read_text()
+    with LLM(str(tmp_path / "tiny-qwen3"), **TEST_ENGINE_ARGS) as llm:
+        expected = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].text
+    assert done.stdout.endswith(f"{PROMPT}{expected}\n\n")
+    assert "output tokens: 12" in done.stderr

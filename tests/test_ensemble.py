@@ -1,0 +1,114 @@
+"""The ensemble (preprocessing -> nanoserve_tokens -> postprocessing): its stateless detokenization against the
+engine's IncrementalDetokenizer, then in a real tritonserver against the offline engine."""
+import random
+
+import numpy as np
+import pytest
+from serving_utils import is_ready, stream, triton
+from test_detokenizer import SAMPLE, TOKENIZERS
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.llm_engine import RequestOutput
+from nanoserve.serving.ensemble import decode_delta, token_arrays
+from nanoserve.serving.request import ParsedRequest
+from nanoserve.serving.responses import Stream
+
+
+def ensemble_text(tokenizer, prompt_ids, output_ids) -> str:
+    """What the ensemble streams: token_arrays per generated token (the token model), then decode_delta on
+    each response alone (the postprocessing model)."""
+    stream = Stream(sender=None, request=ParsedRequest(list(prompt_ids), SamplingParams(), stream=True))
+    text = ""
+    for i, token in enumerate(output_ids):
+        last = i == len(output_ids) - 1
+        out = RequestOutput("r", [token], "", last, "length" if last else None, len(prompt_ids), i + 1)
+        arrays = token_arrays(stream, out)
+        stream.token_ids.append(token)
+        text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
+                             final=bool(arrays["finish_reason"][0]))
+    return text
+
+
+def engine_text(tokenizer, output_ids) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    return "".join(detokenizer.add([t]) for t in output_ids) + detokenizer.flush()
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+def test_stateless_detokenization_matches_the_engine(kind):
+    tokenizer = TOKENIZERS[kind]()
+    rng = random.Random(0)
+    prompt = tokenizer.encode(SAMPLE[:20])
+    for trial in range(150):
+        if trial % 2:  # real text: split characters, spaces, newlines
+            start = rng.randrange(len(SAMPLE))
+            output = tokenizer.encode(SAMPLE[start:] + SAMPLE)[:rng.randrange(1, 80)]
+        else:  # random ids: invalid UTF-8, byte-token runs, special tokens
+            output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+        assert ensemble_text(tokenizer, prompt, output) == engine_text(tokenizer, output)
+
+
+# ---- in tritonserver -------------------------------------------------------------------------------------
+ENSEMBLE_MODELS = ["ensemble", "preprocessing", "nanoserve_tokens", "postprocessing"]
+ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 16, "num_kvcache_blocks": 256}
+PROMPTS = ["Héllo wörld, naïve café — 你好 ", "  spaces   and\ttabs\n"]
+N = 32
+GREEDY = {"max_tokens": np.array([N], np.int32), "temperature": np.array([0.0], np.float32),
+          "sampling_parameters": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with triton(tmp_path_factory.mktemp("ensemble"), qwen3_dir, ENSEMBLE_MODELS, **ENGINE_ARGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    llm = LLM(qwen3_dir, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+def offline(llm, prompt):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
+
+
+@pytest.mark.triton_server
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ensemble_streams_the_offline_text(server, llm, prompt):
+    expected = offline(llm, prompt).text
+    streamed = stream(server, "ensemble", text_input=prompt, stream=True, **GREEDY)
+    assert streamed.error is None
+    assert streamed.text == expected and len(streamed.responses) == N
+    assert streamed.responses[-1]["finish_reason"].tolist() == [b"length"]
+    whole = stream(server, "ensemble", text_input=prompt, **GREEDY)
+    assert whole.texts == [expected]
+
+
+@pytest.mark.triton_server
+def test_token_model_streams_the_offline_ids(server, llm):
+    prompt_ids = llm.tokenizer.encode(PROMPTS[0])
+    out = stream(server, "nanoserve_tokens", input_ids=np.array(prompt_ids, np.int32), stream=True, **GREEDY)
+    assert out.error is None
+    ids = [int(t) for r in out.responses for t in r["output_ids"]]
+    assert ids == offline(llm, prompt_ids).token_ids
+    assert [r["context_ids"].tolist() for r in out.responses] == [ids[:i][-16:] for i in range(len(ids))]
+
+
+@pytest.mark.triton_server
+def test_ensemble_chat_template(server, llm):
+    messages = [{"role": "user", "content": "Où est la café?"}]
+    ids = llm.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)["input_ids"]
+    out = stream(server, "ensemble", text_input="Où est la café?", apply_chat_template=True, stream=True, **GREEDY)
+    assert out.error is None and out.text == offline(llm, ids).text
+
+
+@pytest.mark.triton_server
+def test_ensemble_bad_input_names_the_field(server):
+    for inputs, field in [({"text_input": ""}, "text_input"), ({"text_input": b"\xff"}, "text_input"),
+                          ({"text_input": "Hi", "sampling_parameters": {"top_p": 2}}, "top_p")]:
+        out = stream(server, "ensemble", **inputs)
+        assert out.error is not None and field in out.error.message(), out.error
+    assert is_ready(server)

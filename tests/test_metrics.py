@@ -1,0 +1,80 @@
+"""/metrics of a real tritonserver against the traffic sent and the offline engine's own counters. The KV pool
+is small (16 blocks of 8 tokens) so that concurrent requests preempt each other."""
+import threading
+
+import pytest
+from serving_utils import metrics, stream, triton
+
+from nanoserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
+MODEL = "nanoserve"
+ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 8, "num_kvcache_blocks": 16}
+M = 30  # tokens per request
+GREEDY = {"temperature": 0, "max_tokens": M, "ignore_eos": True}
+PROMPTS = ["The licence grants you the right to", "naïve café — 你好", "def main():", "Copyright (C) 2007"]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with triton(tmp_path_factory.mktemp("metrics"), qwen3_dir, [MODEL], **ENGINE_ARGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    llm = LLM(qwen3_dir, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_prefix_cache_hit_rate_and_pool_gauges_match_the_engine(server, llm):
+    # First test on a fresh server: the same requests, one after the other, through the offline engine.
+    shared = "Everyone is permitted to copy and distribute verbatim copies of this license document"
+    for prompt in (shared, shared + " twice"):
+        assert stream(server, MODEL, text_input=prompt, sampling_parameters=GREEDY).error is None
+        llm.generate(prompt, SamplingParams(**GREEDY), use_tqdm=False)
+    stats = llm.stats()
+    hits, computed = stats["prefix_cache_hit_tokens"], stats["prompt_tokens_computed"]
+    values = metrics(server, MODEL)
+    assert hits > 0
+    assert values["nanoserve_prefix_cache_hit_rate"] == pytest.approx(hits / (hits + computed))
+    assert values["nanoserve_kv_blocks_total"] == ENGINE_ARGS["num_kvcache_blocks"]
+    assert values["nanoserve_kv_blocks_used"] == 0
+    assert values["nanoserve_requests_running"] == values["nanoserve_requests_waiting"] == 0
+
+
+def test_counters_and_histograms_match_the_traffic(server, llm):
+    before = metrics(server, MODEL)
+    results = [None] * len(PROMPTS)
+
+    def run(i):
+        results[i] = stream(server, MODEL, text_input=PROMPTS[i], stream=True, sampling_parameters=GREEDY)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    expected = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    assert [r.text for r in results] == [e.text for e in expected]  # preemption recomputes exactly
+
+    after = metrics(server, MODEL)
+    k, prompt_tokens = len(PROMPTS), sum(e.num_prompt_tokens for e in expected)
+    assert delta(after, before, "nanoserve_generation_tokens_total") == k * M
+    assert delta(after, before, "nanoserve_prompt_tokens_total") == prompt_tokens
+    assert delta(after, before, "nanoserve_requests_finished_total{reason=length}") == k
+    assert delta(after, before, "nanoserve_requests_finished_total{reason=stop}") == 0
+    assert delta(after, before, "nanoserve_preemptions_total") > 0  # 4 x 5 blocks > 16 blocks
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "prompt_length_tokens",
+                 "generation_length_tokens"):
+        assert delta(after, before, f"nanoserve_{name}_count") == k
+        assert after[f"nanoserve_{name}_bucket{{le=+Inf}}"] == after[f"nanoserve_{name}_count"]
+    assert delta(after, before, "nanoserve_inter_token_latency_seconds_count") == k * (M - 1)
+    assert delta(after, before, "nanoserve_prompt_length_tokens_sum") == prompt_tokens
+    assert delta(after, before, "nanoserve_generation_length_tokens_sum") == k * M
+    assert after["nanoserve_kv_blocks_used"] == 0 and after["nanoserve_requests_running"] == 0

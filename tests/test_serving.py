@@ -1,0 +1,186 @@
+"""The text model in a real tritonserver: streamed and non-streamed text against the offline engine, HTTP
+generate, optional outputs, validation errors, cancellation. One server for the module."""
+import json
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from serving_utils import http_post, is_ready, metrics, sse_events, stream, tensors, triton
+
+from nanoserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
+MODEL = "nanoserve"
+ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 16, "num_kvcache_blocks": 256}
+PROMPTS = ["Héllo wörld, naïve café — 你好 ", "The licence grants you", "  spaces   and\ttabs"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir, tmp_path_factory):
+    with triton(tmp_path_factory.mktemp("serving"), qwen3_dir, [MODEL], **ENGINE_ARGS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_dir):
+    """Greedy text of each prompt, from nanoserve.LLM in this process: the reference."""
+    llm = LLM(qwen3_dir, **ENGINE_ARGS)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)
+    yield dict(zip(PROMPTS, outputs))
+    llm.shutdown()
+
+
+GREEDY = {"temperature": "0", "max_tokens": str(N), "ignore_eos": "true"}  # strings, as genai-perf sends them
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_stream_deltas_concatenate_to_offline_text(server, offline, prompt):
+    streamed = stream(server, MODEL, text_input=prompt, stream=True, sampling_parameters=GREEDY)
+    whole = stream(server, MODEL, text_input=prompt, stream=False, exclude_input_in_output=True,
+                   sampling_parameters=GREEDY)
+    assert streamed.error is None and whole.error is None
+    assert streamed.text == whole.text == offline[prompt].text
+    assert len(streamed.responses) > 1 and all(streamed.texts[:-1])  # real deltas; only the last may be empty
+    assert len(whole.responses) == 1  # one data response (HTTP /generate needs that)
+
+
+def test_non_streaming_prepends_prompt_by_default(server, offline):
+    prompt = PROMPTS[0]
+    whole = stream(server, MODEL, text_input=prompt, sampling_parameters=GREEDY)
+    assert whole.texts == [prompt + offline[prompt].text]
+
+
+def test_http_generate_and_generate_stream(server, offline):
+    # Triton's generate endpoint turns "parameters" named like an input (max_tokens, temperature) into that
+    # tensor, so those must be JSON numbers here; the others reach the model as request parameters.
+    prompt = PROMPTS[1]
+    parameters = {"temperature": 0, "max_tokens": N, "ignore_eos": True}
+    status, body = http_post(server, f"/v2/models/{MODEL}/generate", {"text_input": prompt, "parameters": parameters})
+    assert status == 200, body
+    assert json.loads(body)["text_output"] == prompt + offline[prompt].text
+    status, body = http_post(server, f"/v2/models/{MODEL}/generate_stream",
+                             {"text_input": prompt, "stream": True, "parameters": parameters})
+    assert status == 200, body
+    events = sse_events(body)
+    assert len(events) > 1 and "".join(e["text_output"] for e in events) == offline[prompt].text
+
+
+def test_trtllm_scalar_tensors(server, offline):
+    prompt = PROMPTS[2]
+    out = stream(server, MODEL, text_input=prompt, stream=True, max_tokens=np.array([N], np.int32),
+                 temperature=np.array([0.0], np.float32), sampling_parameters={"ignore_eos": True})
+    assert out.error is None and out.text == offline[prompt].text
+
+
+def test_optional_outputs(server, offline, qwen3_dir):
+    prompt = PROMPTS[0]
+    flags = {f"return_{name}": True for name in ("finish_reason", "cumulative_logprob", "logprobs",
+                                                 "num_input_tokens", "num_output_tokens")}
+    ref = offline[prompt]
+    for streaming in (True, False):
+        out = stream(server, MODEL, text_input=prompt, stream=streaming, exclude_input_in_output=True,
+                     sampling_parameters=GREEDY, **flags)
+        assert out.error is None
+        last = out.responses[-1]
+        assert last["finish_reason"].tolist() == [b"length"]
+        assert last["num_input_tokens"].tolist() == [ref.num_prompt_tokens]
+        assert sum(int(r["num_output_tokens"][0]) for r in out.responses) == N
+        assert float(last["cumulative_logprob"][0]) == pytest.approx(ref.cumulative_logprob, abs=1e-3)
+        logprobs = [entry for r in out.responses for entry in json.loads(r["logprobs"][0])]
+        assert [int(next(iter(e))) for e in logprobs] == ref.token_ids
+        assert sum(next(iter(e.values())) for e in logprobs) == pytest.approx(ref.cumulative_logprob, abs=1e-3)
+
+
+BAD_INPUTS = [  # (inputs, request parameters, the field the error must name)
+    ({"stream": True}, None, "text_input"),
+    ({"text_input": ""}, None, "text_input"),
+    ({"text_input": b"caf\xc3("}, None, "text_input"),
+    ({"text_input": "x " * 3000}, None, "text_input"),  # longer than max_model_len (2048)
+    ({"text_input": "Hi", "sampling_parameters": "{max_tokens: 3"}, None, "sampling_parameters"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokenz": 3}}, None, "max_tokenz"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": "lots"}}, None, "max_tokens"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": -5}}, None, "max_tokens"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": 10 ** 9}}, None, "max_tokens"),
+    ({"text_input": "Hi", "sampling_parameters": {"top_p": 1.5}}, None, "top_p"),
+    ({"text_input": "Hi", "temperature": np.array([1], np.int32)}, None, "temperature"),
+    ({"text_input": "Hi"}, {"top_k": "many"}, "top_k"),
+    ({"text_input": "Hi"}, {"unknown_knob": 1}, "unknown_knob"),
+]
+
+
+def test_bad_inputs_name_the_field_while_a_good_stream_completes(server, offline):
+    # gRPC streams carry an error's message but not its code: the HTTP test below checks the code.
+    prompt = PROMPTS[1]
+    good = {}
+    worker = threading.Thread(target=lambda: good.update(out=stream(
+        server, MODEL, text_input=prompt, stream=True, sampling_parameters=GREEDY)))
+    worker.start()
+    for inputs, parameters, field in BAD_INPUTS:
+        out = stream(server, MODEL, parameters=parameters, **inputs)
+        assert out.error is not None and not out.responses, (inputs, parameters)
+        assert field in out.error.message(), out.error.message()
+        assert is_ready(server)
+    worker.join(120)
+    assert good["out"].error is None and good["out"].text == offline[prompt].text
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text_input": ""}, "text_input"),
+    ({"parameters": {"max_tokens": 3}}, "text_input"),
+    ({"text_input": "x " * 3000}, "text_input"),
+    ({"text_input": "Hi", "sampling_parameters": "{max_tokens: 3"}, "sampling_parameters"),
+    ({"text_input": "Hi", "parameters": {"unknown_knob": 1}}, "unknown_knob"),
+    ({"text_input": "Hi", "parameters": {"max_tokens": -5}}, "max_tokens"),
+    ({"text_input": "Hi", "parameters": {"top_p": 1.5}}, "top_p"),
+    ({"text_input": "Hi", "parameters": {"min_tokens": "lots"}}, "min_tokens"),
+])
+def test_bad_inputs_over_http_are_invalid_arg(server, body, field):
+    status, reply = http_post(server, f"/v2/models/{MODEL}/generate", body)
+    assert status == 400, reply  # Triton maps INVALID_ARG to 400 Bad Request
+    assert field in json.loads(reply)["error"]
+    assert is_ready(server)
+
+
+def test_cancel_frees_every_kv_block(server, offline):
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    events = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer(MODEL, tensors(text_input=PROMPTS[0], stream=True,
+                                             sampling_parameters={"max_tokens": 1500, "ignore_eos": True}))
+    for _ in range(5):
+        result, error = events.get(timeout=60)
+        assert error is None
+    assert metrics(server, MODEL)["nanoserve_kv_blocks_used"] > 0
+    aborted_before = metrics(server, MODEL)["nanoserve_requests_finished_total{reason=abort}"]
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        values = metrics(server, MODEL)
+        if values["nanoserve_kv_blocks_used"] == 0 and values["nanoserve_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert values["nanoserve_kv_blocks_used"] == 0
+    assert values["nanoserve_requests_finished_total{reason=abort}"] == aborted_before + 1
+    after = stream(server, MODEL, text_input=PROMPTS[0], stream=True, sampling_parameters=GREEDY)
+    assert after.text == offline[PROMPTS[0]].text
+
+
+def test_concurrent_streams_match_offline(server, offline):
+    prompts = PROMPTS * 2
+    results = [None] * len(prompts)
+
+    def run(i):
+        results[i] = stream(server, MODEL, text_input=prompts[i], stream=True, sampling_parameters=GREEDY).text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [offline[p].text for p in prompts]

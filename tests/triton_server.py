@@ -1,0 +1,84 @@
+"""Real tritonservers for tests: free ports on 127.0.0.1, the log under the test's tmp dir, and always stopped
+(process group and /dev/shm regions included), even when the test fails.
+
+    from triton_server import running_server, tiny_repository, nanoserve_server  # noqa: F401 (fixture)
+
+    with running_server(repository, tmp_path, models=["nanoserve"]) as server:
+        server.url_grpc, server.url_http, server.log_path
+
+Fixture `nanoserve_server` (module scope): the `nanoserve` text model of model_repository/ serving the
+default tiny Qwen3 checkpoint (conftest's `qwen3_dir`) with TEST_ENGINE_ARGS.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from nanoserve.serving.launcher import SHM_DIR, TritonServer, free_ports, make_model_repository
+
+# Small CPU KV cache: a stub with the default 1 GiB takes ~1.4 GB of memory.
+TEST_ENGINE_ARGS = {"device": "cpu", "cpu_kvcache_space_gib": 0.125}
+LOAD_TIMEOUT = 240.0
+
+
+@contextmanager
+def running_server(model_repository, log_dir, models=(), timeout: float = LOAD_TIMEOUT, **server_args):
+    """A started, ready TritonServer (tritonserver's log: log_dir/tritonserver.log); stopped on exit."""
+    log_file = Path(log_dir) / "tritonserver.log"
+    server = TritonServer(model_repository, *free_ports(3), log_file=log_file, **server_args)
+    try:
+        server.start()
+        server.wait_ready(timeout, models=list(models))
+        yield server
+    finally:
+        server.stop()
+
+
+def tiny_repository(dest, checkpoint, models=("nanoserve",), **engine_args) -> Path:
+    """A copy of the repo's model_repository/ (only `models`) serving checkpoint."""
+    return make_model_repository(dest, checkpoint, models=list(models), **{**TEST_ENGINE_ARGS, **engine_args})
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in a process group (tritonserver and its stubs share one)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry.name))
+    return members
+
+
+def shm_regions(prefix: str) -> list[str]:
+    return sorted(p.name for p in SHM_DIR.glob(prefix + "*"))
+
+
+def assert_nothing_left(server: TritonServer) -> None:
+    assert server.poll() is not None, "tritonserver still running"
+    assert group_members(server.process.pid) == [], "processes (stubs?) left in tritonserver's group"
+    assert shm_regions(server.shm_prefix) == [], "shared memory regions left behind"
+
+
+def kill_group(pgid: int) -> None:
+    """Last resort for servers started outside TritonServer (e.g. by the CLI in a subprocess)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def nanoserve_server(qwen3_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nanoserve_server")
+    repository = tiny_repository(tmp / "model_repository", qwen3_dir)
+    with running_server(repository, tmp, models=["nanoserve"]) as server:
+        yield server
