@@ -4,7 +4,12 @@ Fills the engine with N sequences, runs their prefills, then times decode-only s
 timed by wrapping the model's `forward`; on CUDA the forward timer synchronizes, so the overhead figure is
 the CPU work around it (scheduling, input preparation, sampling, stop checks, detokenization).
 
-    python client/bench_host_overhead.py --num-seqs 64 256
+Each figure is the median over the timed steps, in wall time and in this process's CPU time (the CPU figure
+hardly moves when other processes share the machine, the wall one does). `--phases` splits a step into
+schedule / prepare (batch arrays + tensors) / forward / lm_head / sampling metadata / sampler / postprocess /
+outputs (appending tokens, stop checks, detokenization, RequestOutputs: the rest of step()).
+
+    OMP_NUM_THREADS=1 python client/bench_host_overhead.py --num-seqs 64 256 --phases
 """
 from __future__ import annotations
 
@@ -15,25 +20,54 @@ import time
 
 import torch
 
-
-class ForwardTimer:
-    """Wraps a module's forward and accumulates its wall time."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.seconds = 0.0
-        self.original = module.forward
-        module.forward = self._timed
-
-    def _timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.original(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
-        return out
+PHASES = ("schedule", "prepare", "forward", "lm_head", "sampling_meta", "sampler", "postprocess")
 
 
-def measure(model: str, num_seqs: int, steps: int, engine_args: dict) -> dict:
+class PhaseTimer:
+    """Wraps methods of live objects and accumulates their wall and CPU time per phase name."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    def wrap(self, owner, method: str, phase: str, sync: bool = False) -> None:
+        """Replace owner.method (or a callable attribute, e.g. the runner's sampler) by a timed version."""
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            wall, cpu = time.perf_counter(), time.process_time()
+            out = original(*args, **kwargs)
+            if sync and isinstance(out, torch.Tensor) and out.is_cuda:
+                torch.cuda.synchronize()
+            self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - wall
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - cpu
+            return out
+
+        setattr(owner, method, timed)
+
+    def snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        return dict(self.wall), dict(self.cpu)
+
+
+def _wrap_phases(engine, timer: PhaseTimer, phases: bool) -> None:
+    runner = engine.model_runner
+    timer.wrap(runner.model, "forward", "forward", sync=True)
+    if not phases:
+        return
+    timer.wrap(runner.model, "compute_logits", "lm_head", sync=True)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.scheduler, "postprocess", "postprocess")
+    timer.wrap(runner, "build_batch", "prepare")
+    timer.wrap(runner, "to_device", "prepare")
+    if hasattr(runner, "sampling_metadata"):
+        timer.wrap(runner, "sampling_metadata", "sampling_meta")
+    else:  # engines before the metadata cache built it in execute()
+        from nanoserve.layers.sampler import SamplingMetadata
+        timer.wrap(SamplingMetadata, "from_seqs", "sampling_meta")
+    timer.wrap(runner, "sampler", "sampler")
+
+
+def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bool = False) -> dict:
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling_params import SamplingParams
 
@@ -44,21 +78,32 @@ def measure(model: str, num_seqs: int, steps: int, engine_args: dict) -> dict:
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                           for s in engine.scheduler.running):
         engine.step()
-    timer = ForwardTimer(engine.model_runner.model)
-    totals, forwards = [], []
+    engine.step()  # first decode step: warms caches built on the first decode
+    timer = PhaseTimer()
+    _wrap_phases(engine, timer, phases)
+    rows = []
     for _ in range(steps):
-        before = timer.seconds
-        start = time.perf_counter()
+        before = timer.snapshot()
+        wall, cpu = time.perf_counter(), time.process_time()
         engine.step()
-        totals.append(time.perf_counter() - start)
-        forwards.append(timer.seconds - before)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        after = timer.snapshot()
+        row = {"step": wall, "step_cpu": cpu}
+        for phase in PHASES:
+            row[phase] = after[0].get(phase, 0.0) - before[0].get(phase, 0.0)
+            row[phase + "_cpu"] = after[1].get(phase, 0.0) - before[1].get(phase, 0.0)
+        row["overhead"] = wall - row["forward"]
+        row["overhead_cpu"] = cpu - row["forward_cpu"]
+        row["outputs"] = wall - sum(row[p] for p in PHASES)
+        row["outputs_cpu"] = cpu - sum(row[p + "_cpu"] for p in PHASES)
+        rows.append(row)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     engine.step()
     engine.shutdown()
-    overheads = [t - f for t, f in zip(totals, forwards)]
-    return {"num_seqs": num_seqs, "step_us": statistics.median(totals) * 1e6,
-            "forward_us": statistics.median(forwards) * 1e6, "overhead_us": statistics.median(overheads) * 1e6}
+    result = {key: statistics.median(r[key] for r in rows) * 1e6 for key in rows[0]}
+    result["num_seqs"] = num_seqs
+    return result
 
 
 def main() -> None:
@@ -67,15 +112,21 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--phases", action="store_true", help="also time each phase of a step (adds ~1 us each)")
     args = parser.parse_args()
     model = args.model
     if model is None:
         from nanoserve.tiny_model import build_tiny_model
         model = build_tiny_model(tempfile.mkdtemp(prefix="nanoserve-overhead-"), "qwen3")
     for n in args.num_seqs:
-        r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512})
-        print(f"seqs={r['num_seqs']:4d}  step={r['step_us']:8.0f} us  forward={r['forward_us']:8.0f} us  "
-              f"host overhead={r['overhead_us']:6.0f} us")
+        r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512}, args.phases)
+        print(f"seqs={r['num_seqs']:4d}  step={r['step']:8.0f} us  forward={r['forward']:8.0f} us  "
+              f"host overhead={r['overhead']:6.0f} us  (cpu time: {r['overhead_cpu']:6.0f} us)")
+        if args.phases:
+            names = (*PHASES, "outputs")
+            print("    phase  " + " ".join(f"{p:>13s}" for p in names))
+            print("    wall   " + " ".join(f"{r[p]:13.0f}" for p in names))
+            print("    cpu    " + " ".join(f"{r[p + '_cpu']:13.0f}" for p in names))
 
 
 if __name__ == "__main__":

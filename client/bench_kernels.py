@@ -3,32 +3,60 @@
     python client/bench_kernels.py [--batch 256] [--ctx 600] [--block-sizes 16 256] [--dtype bfloat16]
 
 Times each kernel with triton.testing.do_bench and prints the achieved bandwidth: bytes the kernel must
-read + write (each K/V context token once, inputs and outputs once) divided by the median time.
+read + write (each K/V context token once, inputs and outputs once) divided by the median time. The decode
+step's GEMMs (cuBLAS, at --batch tokens) are listed too, with their TFLOP/s. client/bench_gpu.py reuses
+`run_all` to set these against the device's copy bandwidth.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import torch
 
 # Qwen3-0.6B
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE = 16, 8, 128, 1024, 3072
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, VOCAB = 16, 8, 128, 1024, 3072, 151936
 
 
-def parse_args():
+@dataclass
+class KernelResult:
+    name: str
+    ms: float
+    nbytes: int
+    flops: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.ms / 1e6
+
+    def line(self) -> str:
+        extra = f"  {self.flops / self.ms / 1e9:8.1f} TFLOP/s" if self.flops else ""
+        return f"{self.name:58s} {self.ms * 1e3:9.1f} us  {self.gbps:8.1f} GB/s{extra}"
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256, help="decode batch size")
     p.add_argument("--ctx", type=int, default=600, help="mean context length (uniform +-100)")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256])
     p.add_argument("--prefill-tokens", type=int, default=4096, help="tokens per prefill batch (512 per sequence)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
-def report(name: str, ms: float, nbytes: int, flops: int = 0):
-    extra = f"  {flops / ms / 1e9:8.1f} TFLOP/s" if flops else ""
-    print(f"{name:58s} {ms * 1e3:9.1f} us  {nbytes / ms / 1e6:8.1f} GB/s{extra}", flush=True)
+class Recorder:
+    """Collects results, printing each as it comes (when verbose)."""
+
+    def __init__(self, verbose: bool = True):
+        self.results: list[KernelResult] = []
+        self.verbose = verbose
+
+    def __call__(self, name: str, ms: float, nbytes: int, flops: int = 0) -> None:
+        result = KernelResult(name, ms, nbytes, flops)
+        self.results.append(result)
+        if self.verbose:
+            print(result.line(), flush=True)
 
 
 def bench(fn) -> float:
@@ -57,7 +85,7 @@ def kv_bytes(seq_lens: list[int], elem: int) -> int:
     return 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * elem
 
 
-def bench_decode(args, block_size, dtype, gen):
+def bench_decode(args, block_size, dtype, gen, report):
     from nanoserve.kernels import ops
 
     elem = torch.finfo(dtype).bits // 8
@@ -78,7 +106,7 @@ def bench_decode(args, block_size, dtype, gen):
             report(f"paged_decode_attention splits={splits} {tag}", ms, nbytes)
 
 
-def bench_prefill(args, block_size, dtype, gen):
+def bench_prefill(args, block_size, dtype, gen, report):
     from nanoserve.kernels import ops
 
     elem = torch.finfo(dtype).bits // 8
@@ -96,7 +124,7 @@ def bench_prefill(args, block_size, dtype, gen):
                ms, nbytes, flops)
 
 
-def bench_store(tokens: int, block_size: int, dtype):
+def bench_store(tokens: int, block_size: int, dtype, report):
     from nanoserve.kernels import ops
 
     elem = torch.finfo(dtype).bits // 8
@@ -110,7 +138,7 @@ def bench_store(tokens: int, block_size: int, dtype):
     report(f"store_kvcache block={block_size} tokens={tokens}", ms, 4 * k.numel() * elem + slots.numel() * 8)
 
 
-def bench_elementwise(tokens: int, dtype):
+def bench_elementwise(tokens: int, dtype, report):
     from nanoserve.kernels import ops
 
     elem = torch.finfo(dtype).bits // 8
@@ -129,21 +157,45 @@ def bench_elementwise(tokens: int, dtype):
            gate_up.numel() * elem * 3 // 2)
 
 
+def decode_gemm_shapes() -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of the linear layers of one Qwen3-0.6B decode step."""
+    qkv = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    return [("qkv_proj", HIDDEN, qkv), ("o_proj", NUM_HEADS * HEAD_DIM, HIDDEN),
+            ("gate_up_proj", HIDDEN, 2 * INTERMEDIATE), ("down_proj", INTERMEDIATE, HIDDEN), ("lm_head", HIDDEN, VOCAB)]
+
+
+def bench_gemms(tokens: int, dtype, report):
+    """cuBLAS (F.linear) at the decode step's shapes: bytes are the weight plus input and output once."""
+    elem = torch.finfo(dtype).bits // 8
+    for name, k, n in decode_gemm_shapes():
+        x = torch.randn(tokens, k, dtype=dtype, device="cuda")
+        w = torch.randn(n, k, dtype=dtype, device="cuda")
+        ms = bench(lambda: torch.nn.functional.linear(x, w))
+        report(f"linear {name} tokens={tokens} ({k}->{n})", ms, (n * k + tokens * (k + n)) * elem, 2 * tokens * k * n)
+
+
+def run_all(args, verbose: bool = True) -> list[KernelResult]:
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    report = Recorder(verbose)
+    for block_size in args.block_sizes:
+        bench_decode(args, block_size, dtype, gen, report)
+        bench_prefill(args, block_size, dtype, gen, report)
+        bench_store(args.batch, block_size, dtype, report)
+        bench_store(args.prefill_tokens, block_size, dtype, report)
+    for tokens in (args.batch, args.prefill_tokens):
+        bench_elementwise(tokens, dtype, report)
+    bench_gemms(args.batch, dtype, report)
+    return report.results
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU: torch.cuda.is_available() is False on this machine.")
     args = parse_args()
-    dtype = getattr(torch, args.dtype)
-    gen = torch.Generator().manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  dtype={args.dtype}  heads={NUM_HEADS}/{NUM_KV_HEADS} "
           f"head_dim={HEAD_DIM}")
-    for block_size in args.block_sizes:
-        bench_decode(args, block_size, dtype, gen)
-        bench_prefill(args, block_size, dtype, gen)
-        bench_store(args.batch, block_size, dtype)
-        bench_store(args.prefill_tokens, block_size, dtype)
-    for tokens in (args.batch, args.prefill_tokens):
-        bench_elementwise(tokens, dtype)
+    run_all(args)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,14 @@ at 64 streams).
 Workload: N prompts of random token ids (fixed seed) decoded to text, so both sides get the same strings;
 ignore_eos and a fixed max_tokens, so every request produces exactly that many tokens.
 
+    nanoserve build-tiny-model tiny-qwen3     # what model_repository/nanoserve/1/model.json points at
     python client/bench_serving.py --model-repository model_repository          # launches tritonserver itself
     python client/bench_serving.py --url 127.0.0.1:8001 --model-repository DIR   # a server already running
 
 Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
+On a small, busy CPU machine torch's OpenMP threads spin against each other and both numbers swing several-fold:
+set OMP_NUM_THREADS=1 (it reaches the launched server too).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.stream import first_value, grpc_inputs  # noqa: E402
+from client.stream import first_value, grpc_inputs, sampling_parameters  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -51,10 +54,6 @@ def make_prompts(tokenizer_dir: str, num_prompts: int, input_len: int, seed: int
     vocab = [i for i in range(len(tokenizer)) if i not in special]
     rng = random.Random(seed)
     return [tokenizer.decode([rng.choice(vocab) for _ in range(input_len)]) for _ in range(num_prompts)]
-
-
-def sampling_parameters(args) -> dict:
-    return {"max_tokens": args.output_len, "ignore_eos": True, "temperature": args.temperature}
 
 
 async def run_served(url: str, model: str, prompts: list[str], params: dict, concurrency: int) -> RunResult:
@@ -164,7 +163,7 @@ def main(argv=None) -> int:
     tokenizer = engine_args.get("tokenizer") or model_dir
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
     warmup_prompts = make_prompts(tokenizer, args.warmup, args.input_len, args.seed + 1)  # not prefix-cached
-    params = sampling_parameters(args)
+    params = sampling_parameters(args.output_len, args.temperature, ignore_eos=True)
     served = (served_with_warmup(args.url, args, prompts, warmup_prompts, params) if args.url
               else bench_launched(args, prompts, warmup_prompts, params))
     print(served.describe("served", args.num_prompts))

@@ -85,7 +85,10 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
         client.async_stream_infer(model, grpc_inputs(prompt, params), request_id=request_id,
                                   enable_empty_final_response=True)
         while True:
-            response, error = responses.get(timeout=timeout)
+            try:
+                response, error = responses.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"{model}: no response in {timeout} s") from None
             if error is not None:
                 raise RuntimeError(f"{model}: {error}")
             delta = first_value(response.as_numpy("text_output")) or ""

@@ -21,6 +21,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Optional hints (from the attention metadata, never required): max_query_len == 1 skips the prefill
     launch; max_seq_len caps the number of decode splits. num_splits forces the decode split count.
+    Under CUDA-graph capture the split count is frozen into the graph, so max_seq_len must then bound every
+    replay (max_model_len) or be None, never the capture batch's own maximum. Rows with seq_len 0 (graph
+    padding) give zeros and read nothing.
     """
     if out is None:
         out = torch.empty_like(q)

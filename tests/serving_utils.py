@@ -28,7 +28,7 @@ def triton(tmp_dir, checkpoint, models, **engine_args):
         if model_dir.name not in models:
             shutil.rmtree(model_dir)
     http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo, http, grpc, metrics, log_file=tmp_dir / "tritonserver.log", exit_timeout_secs=5)
+    server = TritonServer(repo, http, grpc, metrics, log_file=tmp_dir / "tritonserver.log", exit_timeout_secs=30)
     try:
         server.start()
         server.wait_ready(TIMEOUT, models=models)
@@ -85,21 +85,27 @@ OUTPUT_NAMES = ("text_output", "finish_reason", "cumulative_logprob", "logprobs"
 
 def stream(server, model: str, parameters: dict | None = None, **inputs) -> Streamed:
     """One request over a gRPC stream; returns once its FINAL response (or an error) arrived."""
-    client = grpcclient.InferenceServerClient(server.url_grpc)
-    events: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client, events = open_stream(server, model, parameters, **inputs)
     try:
-        client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
-        return _collect(events)
+        return collect(events)
     finally:
         client.stop_stream()
         client.close()
 
 
-def _collect(events: queue.Queue) -> Streamed:
+def open_stream(server, model: str, parameters: dict | None = None, **inputs):
+    """Send one request on a new gRPC stream: (client, queue of (result, error)). Close the client after."""
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    events: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: events.put((result, error)))
+    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
+    return client, events
+
+
+def collect(events: queue.Queue, timeout: float = TIMEOUT) -> Streamed:
     out = Streamed()
     while True:
-        result, error = events.get(timeout=TIMEOUT)
+        result, error = events.get(timeout=timeout)
         if error is not None:
             out.error = error
             return out

@@ -215,3 +215,21 @@ def test_paged_decode_attention_all_rows_padded():
     out = ops.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                                      batch.scale, 4)
     assert (out == 0).all()
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_paged_attention_graph_padded_decode_batch(num_splits):
+    """What a CUDA-graph replay passes: query_start_loc = arange, max_query_len 1, max_seq_len the static
+    bound, and padded rows (seq_len 0, stale block ids) after the real ones."""
+    seq_lens = [33, 260, 1, 0, 0]
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=16, num_kv_heads=2, group=4, seed=10)
+    padded = batch.seq_lens == 0
+    batch.block_tables[padded] = 1 << 30
+    out = ops.paged_attention(*batch.args(), max_query_len=1, max_seq_len=4096, num_splits=num_splits,
+                              out=batch.nan_out())
+    assert (out[padded] == 0).all()
+    real = ~padded
+    k, v = batch.k_cache.float().nan_to_num(0.0), batch.v_cache.float().nan_to_num(0.0)
+    expected = ref.paged_decode_ref(batch.q[real].float(), k, v, batch.block_tables[real], batch.seq_lens[real],
+                                    batch.scale)
+    assert_close(out[real], expected)

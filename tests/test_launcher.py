@@ -14,7 +14,7 @@ import pytest
 
 import nanoserve
 from nanoserve.serving import launcher
-from triton_server import assert_nothing_left, group_members, kill_group, running_server, shm_regions
+from triton_server import assert_nothing_left, group_members, kill_group, processes, running_server, shm_regions
 
 # A throw-away Python-based backend: reports where its interpreter found its packages.
 ECHO_BACKEND = '''
@@ -144,18 +144,50 @@ def test_model_that_fails_to_load_raises_with_the_log(echo_repository):
     assert_nothing_left(server)
 
 
+def test_make_model_repository_points_at_the_checkpoint(tmp_path):
+    from nanoserve.serving.model_json import load_engine_args
+
+    repo = launcher.make_model_repository(tmp_path / "repo", tmp_path / "ckpt", models=["nanoserve"], device="cpu")
+    assert [p.name for p in repo.iterdir()] == ["nanoserve"]
+    template = launcher.repo_root() / "model_repository" / "nanoserve"
+    assert (repo / "nanoserve" / "config.pbtxt").read_text() == (template / "config.pbtxt").read_text()
+    args = load_engine_args(str(repo / "nanoserve"))
+    assert args["model"] == str((tmp_path / "ckpt").resolve()) and args["device"] == "cpu"
+
+
+def test_tiny_model_is_built_once_with_the_default_weights(tmp_path, qwen3_dir):
+    from safetensors.torch import load_file
+
+    from nanoserve import cli
+
+    assert cli.main(["build-tiny-model", str(tmp_path / "built")]) == 0
+    built = launcher.tiny_model(tmp_path / "cache")
+    stamp = (built / "model.safetensors").stat().st_mtime_ns
+    assert launcher.tiny_model(tmp_path / "cache") == built
+    assert (built / "model.safetensors").stat().st_mtime_ns == stamp, "rebuilt instead of cached"
+    reference = load_file(Path(qwen3_dir) / "model.safetensors")
+    for checkpoint in (built, tmp_path / "built"):
+        weights = load_file(checkpoint / "model.safetensors")
+        assert weights.keys() == reference.keys()
+        assert all(weights[name].equal(reference[name]) for name in reference)
+
+
 def _child_pid(parent: int, timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent:
-                return int(stat.parent.name)
+        children = [pid for pid, _, ppid, _ in processes() if ppid == parent]
+        if children:
+            return children[0]
         time.sleep(0.1)
     raise TimeoutError(f"no child of {parent}")
+
+
+def _ready(http_port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 @pytest.mark.triton_server
@@ -173,9 +205,8 @@ def test_cli_serve_stops_on_signal(echo_repository, sig):
     triton = None
     try:
         triton = _child_pid(cli.pid)
-        probe = launcher.TritonServer(echo_repository, http, grpc, metrics)
         deadline = time.monotonic() + 120
-        while not probe._http_ok("/v2/health/ready"):
+        while not _ready(http):
             assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
             time.sleep(0.2)
         assert "--log-verbose=1" in Path(f"/proc/{triton}/cmdline").read_text()

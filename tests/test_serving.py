@@ -1,14 +1,12 @@
 """The text model in a real tritonserver: streamed and non-streamed text against the offline engine, HTTP
 generate, optional outputs, validation errors, cancellation. One server for the module."""
 import json
-import queue
 import threading
 import time
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
-from serving_utils import http_post, is_ready, metrics, sse_events, stream, tensors, triton
+from serving_utils import collect, http_post, is_ready, metrics, open_stream, sse_events, stream, triton
 
 from nanoserve import LLM, SamplingParams
 
@@ -23,6 +21,13 @@ N = 24
 def server(qwen3_dir, tmp_path_factory):
     with triton(tmp_path_factory.mktemp("serving"), qwen3_dir, [MODEL], **ENGINE_ARGS) as server:
         yield server
+        # SIGTERM with a request in flight: tritonserver drains it (it keeps the model until the FINAL).
+        client, events = open_stream(server, MODEL, text_input=PROMPTS[0], stream=True, return_finish_reason=True,
+                                     sampling_parameters={"max_tokens": 200, "ignore_eos": True})
+        assert events.get(timeout=60)[1] is None
+    drained = collect(events, timeout=1)
+    client.close()
+    assert drained.error is None and drained.responses[-1]["finish_reason"].tolist() == [b"length"]
 
 
 @pytest.fixture(scope="module")
@@ -147,16 +152,13 @@ def test_bad_inputs_over_http_are_invalid_arg(server, body, field):
 
 
 def test_cancel_frees_every_kv_block(server, offline):
-    client = grpcclient.InferenceServerClient(server.url_grpc)
-    events = queue.Queue()
-    client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer(MODEL, tensors(text_input=PROMPTS[0], stream=True,
-                                             sampling_parameters={"max_tokens": 1500, "ignore_eos": True}))
-    for _ in range(5):
-        result, error = events.get(timeout=60)
-        assert error is None
-    assert metrics(server, MODEL)["nanoserve_kv_blocks_used"] > 0
-    aborted_before = metrics(server, MODEL)["nanoserve_requests_finished_total{reason=abort}"]
+    # No max_tokens: the default runs to max_model_len, not vLLM's 16. Cancel after 20 tokens.
+    client, events = open_stream(server, MODEL, text_input=PROMPTS[0], stream=True,
+                                 sampling_parameters={"ignore_eos": True})
+    for _ in range(20):
+        assert events.get(timeout=60)[1] is None
+    before = metrics(server, MODEL)
+    assert before["nanoserve_kv_blocks_used"] > 0 and before["nanoserve_requests_running"] == 1
     client.stop_stream(cancel_requests=True)
     client.close()
     deadline = time.monotonic() + 30
@@ -166,7 +168,8 @@ def test_cancel_frees_every_kv_block(server, offline):
             break
         time.sleep(0.1)
     assert values["nanoserve_kv_blocks_used"] == 0
-    assert values["nanoserve_requests_finished_total{reason=abort}"] == aborted_before + 1
+    assert values["nanoserve_requests_finished_total{reason=abort}"] == \
+        before["nanoserve_requests_finished_total{reason=abort}"] + 1
     after = stream(server, MODEL, text_input=PROMPTS[0], stream=True, sampling_parameters=GREEDY)
     assert after.text == offline[PROMPTS[0]].text
 

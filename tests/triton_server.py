@@ -43,19 +43,21 @@ def tiny_repository(dest, checkpoint, models=("nanoserve",), **engine_args) -> P
     return make_model_repository(dest, checkpoint, models=list(models), **{**TEST_ENGINE_ARGS, **engine_args})
 
 
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgid) of every process, from /proc/PID/stat."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:  # exited meanwhile
+            continue
+        found.append((int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
 def group_members(pgid: int) -> list[int]:
     """Live processes in a process group (tritonserver and its stubs share one)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry.name))
-    return members
+    return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
 
 
 def shm_regions(prefix: str) -> list[str]:

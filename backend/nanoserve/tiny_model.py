@@ -59,17 +59,19 @@ def hf_config(arch: str, vocab_size: int, **overrides):
 
 
 def build_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, max_shard_size: str | None = None,
-                     **config_overrides) -> str:
+                     vocab_size: int | None = None, dtype: str = "float32", **config_overrides) -> str:
     """Write config.json + safetensors + tokenizer for a random-weight model into out_dir; returns out_dir.
-    initializer_range 0.5 gives varied greedy text, so token-equality tests mean something."""
+    initializer_range 0.5 gives varied greedy text, so token-equality tests mean something.
+    vocab_size defaults to the tokenizer's; a bigger one (a real model's shape, fed random token ids) is fine.
+    dtype ("float32", "bfloat16", ...) is that of the saved weights and of config.json."""
     import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
-    config = hf_config(arch, vocab_size=len(tokenizer), **config_overrides)
+    config = hf_config(arch, vocab_size=vocab_size or len(tokenizer), **{"dtype": dtype, **config_overrides})
     config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)

@@ -1,10 +1,30 @@
 """CUDA graphs for decode steps (one query token per sequence).
 
 One graph per batch bucket (1, 2, 4, 8, 16, 32, 48, ... step 16, and max_num_seqs), captured largest first
-into one shared memory pool. The graphs read static input buffers; a step copies its tensors into the first
-`batch` rows and replays the smallest bucket >= batch. Padded rows get slot -1 (nothing stored) and
-seq_len 1 (attend to one harmless cached token); their outputs are dropped. Steps that do not fit (prefill,
-a bigger batch, a block table wider than the captured width) run eagerly.
+into one shared memory pool: graphs never replay concurrently, so the smaller ones reuse the memory of the
+largest one's intermediates. Each capture follows an eager warm-up at the same shape, which compiles every
+Triton specialization the capture will launch (Triton specializes integer arguments, such as row counts, on
+== 1 and % 16), so nothing is compiled or loaded inside the capture.
+
+The graphs read static input buffers. A replay copies the step's tensors into the first `batch` rows and
+replays the smallest bucket >= batch. Padded rows hold slot -1 (nothing stored) and seq_len 0: the decode
+kernels then read no K/V and no block table entry for them and write zeros (the Triton kernel by contract,
+flash-attn by its early exit on an empty key range), and their outputs are dropped. Steps that do not fit
+run eagerly: prefill and mixed steps, a batch bigger than the largest bucket, a block table wider than the
+captured one.
+
+Only the model forward is captured; the LM head and the sampler run eagerly on the returned rows. The
+captured region must not synchronize with the host: no .item() / .tolist(), no Python branch on a tensor
+value, no tensor built from host data (tests/test_cuda_graph.py checks the decode forward for these on CPU).
+The torch reference attention does all three, so it is never captured. The graphs hold the KV cache
+pointers bound at capture time: rebinding the cache means capturing again.
+
+No torch.compile. Under the graphs the decode step launches nothing from Python, and the elementwise chains
+compile would fuse (residual add + RMSNorm, SiLU-and-mul, RoPE, KV store) already are single Triton kernels;
+what remains is cuBLAS GEMMs and attention, which compile leaves alone. Prefill is GEMM/attention bound.
+The price would be minutes of compilation per start (one per bucket shape, or dynamic shapes), recompiles
+on shape changes at serve time, and graph breaks around the Triton launches and tensor-parallel collectives.
+The one place with many small eager ops is the sampler, which is not part of this module.
 """
 from __future__ import annotations
 
@@ -12,7 +32,10 @@ import bisect
 
 import torch
 
-from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.attention import Attention, AttentionMetadata
+
+PAD_SLOT = -1
+PAD_SEQ_LEN = 0
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -32,62 +55,93 @@ def fits_graph(buckets: list[int], max_blocks: int, batch_size: int, table_width
     return decode_only and 0 < batch_size and table_width <= max_blocks and pick_bucket(buckets, batch_size) is not None
 
 
+def check_capturable(model: torch.nn.Module) -> None:
+    """Raises when an attention layer's backend synchronizes with the host (which a capture cannot do)."""
+    from nanoserve.layers.activation import cuda_op
+
+    for layer in model.modules():
+        if not isinstance(layer, Attention):
+            continue
+        if layer.backend == "torch" or (layer.backend == "flash_attn" and cuda_op("store_kvcache") is None):
+            raise ValueError(f"attention_backend={layer.backend!r} synchronizes with the host here (the torch "
+                             "reference attention / KV store) and cannot run in a CUDA graph: use "
+                             "attention_backend='triton', or enforce_eager=True")
+
+
 class CUDAGraphRunner:
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device):
         self.model = model
         self.buckets = decode_buckets(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = max_seq_len  # max_model_len: a bound on every seq_len a replay will see
         n = self.buckets[-1]
         with torch.device(device):
             self.input_ids = torch.zeros(n, dtype=torch.int64)
             self.positions = torch.zeros(n, dtype=torch.int64)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
-            self.seq_lens = torch.ones(n, dtype=torch.int32)
+            self.slot_mapping = torch.full((n,), PAD_SLOT, dtype=torch.int64)
+            self.seq_lens = torch.full((n,), PAD_SEQ_LEN, dtype=torch.int32)
             self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.outputs = torch.zeros(n, hidden_size, dtype=dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._used_rows = 0  # rows [0, _used_rows) hold the last replay's inputs; the rest hold padding
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
+        # max_seq_len is the static bound, never the capture batch's own maximum: the decode split count it
+        # caps is frozen into the graph and must suit every later replay
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bucket],
                                  query_start_loc=self.query_start_loc[:bucket + 1],
                                  seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
                                  max_query_len=1, max_seq_len=self.max_seq_len, is_decode_only=True)
 
+    def _forward(self, bucket: int) -> None:
+        """The captured work: the model on the first `bucket` rows of the static buffers."""
+        self.outputs[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
+
     @torch.inference_mode()
     def capture(self) -> "CUDAGraphRunner":
+        check_capturable(self.model)
         pool = None
-        for bucket in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-            meta = self._metadata(bucket)
-            args = (self.input_ids[:bucket], self.positions[:bucket], meta)
-            self.outputs[:bucket] = self.model(*args)  # warm-up outside the capture (Triton JIT, autotune)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[:bucket] = self.model(*args)
+        for bucket in reversed(self.buckets):  # largest first: the smaller graphs fit in its pool
+            graph = self._capture_one(bucket, pool)
             if pool is None:
                 pool = graph.pool()
-            torch.cuda.synchronize()
             self.graphs[bucket] = graph
         return self
+
+    def _capture_one(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
+        self._forward(bucket)  # warm-up at this shape: Triton compiles, cuBLAS picks its kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._forward(bucket)
+        torch.cuda.synchronize()
+        return graph
 
     def can_run(self, batch_size: int, table_width: int, decode_only: bool) -> bool:
         return fits_graph(self.buckets, self.max_blocks, batch_size, table_width, decode_only)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay for a decode batch that `can_run`; returns hidden states [batch, hidden] (a view of the
-        static output buffer, valid until the next replay)."""
+        """Replay for a decode batch that `can_run`; returns hidden states [batch, hidden]: a view of the
+        static output buffer, valid until the next replay (the caller computes logits from it first)."""
+        batch = input_ids.shape[0]
+        if meta.seq_lens.shape[0] != batch:
+            raise ValueError(f"a graphed decode step needs one token per sequence: {batch} tokens for "
+                             f"{meta.seq_lens.shape[0]} sequences")
+        self._load_inputs(input_ids, positions, meta)
+        self.graphs[pick_bucket(self.buckets, batch)].replay()
+        return self.outputs[:batch]
+
+    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         batch, width = input_ids.shape[0], meta.block_tables.shape[1]
-        bucket = pick_bucket(self.buckets, batch)
         self.input_ids[:batch].copy_(input_ids, non_blocking=True)
         self.positions[:batch].copy_(positions, non_blocking=True)
         self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[batch:bucket].fill_(-1)
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[batch:bucket].fill_(1)
-        # columns past `width` keep stale block ids: never read, as each row reads ceil(seq_len/block) blocks
+        # columns past `width` keep stale block ids: a row reads only its first ceil(seq_len / block) entries
         self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
-        self.graphs[bucket].replay()
-        return self.outputs[:batch]
+        if self._used_rows > batch:  # rows of an earlier, bigger batch become padding again
+            self.slot_mapping[batch:self._used_rows].fill_(PAD_SLOT)
+            self.seq_lens[batch:self._used_rows].fill_(PAD_SEQ_LEN)
+        self._used_rows = batch

@@ -11,7 +11,8 @@ cut at the first stop string when one matches.
 
 Byte-level BPE (GPT-2, Llama 3, Qwen) has a faster exact path: its decode is the UTF-8 decoding of the
 concatenated token bytes, so a per-token bytes table and an incremental UTF-8 decoder do the same work
-without calling the tokenizer per step.
+without calling the tokenizer per step. `add_token` shortens it further for the usual streaming step (one
+token, no stop strings, no character pending): most tokens are whole characters, their text a table lookup.
 """
 from __future__ import annotations
 
@@ -33,9 +34,12 @@ class IncrementalDetokenizer:
         tokenizer.decode(output_ids)). Byte-level BPE gives the same text either way."""
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
         self._id_to_token = _id_to_token_fn(tokenizer)
-        self._bytes = _byte_table(tokenizer, skip_special_tokens)  # None: not byte-level, use the window
+        tables = _byte_tables(tokenizer, skip_special_tokens)  # None: not byte-level, use the window
+        self._bytes = tables[0] if tables else None
         self._tail = b""  # byte-level path: bytes of a character not complete yet
         self.stop = [s for s in stop if s]
+        # add_token's table: each token's text when its bytes are whole UTF-8 characters, else None
+        self._texts = tables[1] if tables and not self.stop else None
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_matched: str | None = None
         self._hold = max(map(len, self.stop), default=1) - 1  # chars kept back so no stop streams partially
@@ -63,6 +67,20 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self.stop_matched is not None or self._flushed
 
+    def add_token(self, token_id: int) -> str:
+        """add([token_id]); a table lookup when the token's bytes are whole characters and nothing is pending
+        (byte-level tokenizers without stop strings)."""
+        if self._texts is not None and not self._tail:
+            try:
+                text = self._texts[token_id]
+            except IndexError:  # past the tokenizer's vocab: add() drops it
+                text = None
+            if text is not None:
+                if text:
+                    self._parts.append(text)
+                return text
+        return self.add((token_id,))
+
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Append generated tokens; return the newly released text (possibly "")."""
         if self.finished or not new_token_ids:
@@ -76,6 +94,7 @@ class IncrementalDetokenizer:
         """At the end of the request: release everything withheld (unless a stop string already matched)."""
         if self.finished:
             return ""
+        self._texts = None  # add_token must not bypass the finished check from now on
         if self._bytes is not None:
             rest = self._decode_bytes((), final=True)
         else:
@@ -163,21 +182,34 @@ def _id_to_token_fn(tokenizer):
     return tokenizer.convert_ids_to_tokens
 
 
-_BYTE_TABLES = weakref.WeakKeyDictionary()  # tokenizer -> {skip_special_tokens: bytes per id} or None
+_BYTE_TABLES = weakref.WeakKeyDictionary()  # tokenizer -> {skip_special_tokens: (bytes, texts) per id} or None
 
 
-def _byte_table(tokenizer, skip_special_tokens: bool) -> list[bytes] | None:
-    """The bytes each token id contributes to tokenizer.decode() (b"" for skipped specials), or None when
-    decode is not plain byte-level UTF-8 (then the generic window path is used). Built once per tokenizer."""
+def _byte_tables(tokenizer, skip_special_tokens: bool) -> tuple[list[bytes], list[str | None]] | None:
+    """The bytes each token id contributes to tokenizer.decode() (b"" for skipped specials) and, where those
+    bytes are whole UTF-8 characters, their text; None when decode is not plain byte-level UTF-8 (then the
+    generic window path is used). Built once per tokenizer."""
     try:
         tables = _BYTE_TABLES[tokenizer]
     except (KeyError, TypeError):
         tables = _build_byte_tables(tokenizer)
+        if tables is not None:
+            tables = {skip: (table, _whole_char_texts(table)) for skip, table in tables.items()}
         try:
             _BYTE_TABLES[tokenizer] = tables
         except TypeError:  # not weak-referenceable: rebuilt next time
             pass
     return None if tables is None else tables[skip_special_tokens]
+
+
+def _whole_char_texts(table: list[bytes]) -> list[str | None]:
+    texts: list[str | None] = []
+    for raw in table:
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:  # part of a character, or invalid: the incremental decoder decides
+            texts.append(None)
+    return texts
 
 
 def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:

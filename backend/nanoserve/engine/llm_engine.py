@@ -19,7 +19,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is built per request per step, and that is cheaper with slots
 class RequestOutput:
     """What one step produced for one request. `text_delta`s concatenate to the final text."""
     request_id: str
@@ -43,9 +43,16 @@ class StepStats:
 
 
 class _Request:
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer):
+    """A request's engine-side state: its sequence, detokenizer, and what the per-token stop check reads."""
+    __slots__ = ("seq", "detokenizer", "stop_token_ids", "max_num_tokens", "wants_logprobs")
+
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, max_model_len: int):
         self.seq = seq
         self.detokenizer = detokenizer
+        params = seq.sampling_params
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.max_num_tokens = min(seq.num_prompt_tokens + seq.max_tokens, max_model_len)  # "length" from here
+        self.wants_logprobs = params.logprobs is not None
 
 
 class LLMEngine:
@@ -82,7 +89,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, sampling_params, max_tokens)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling_params.skip_special_tokens,
                                              sampling_params.stop, sampling_params.include_stop_str_in_output)
-        self.requests[request_id] = _Request(seq, detokenizer)
+        self.requests[request_id] = _Request(seq, detokenizer, self.config.max_model_len)
         self.scheduler.add(seq)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -116,30 +123,43 @@ class LLMEngine:
         if not plan:
             self.last_step = StepStats()
             return outputs
+        seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
         sampled = self.model_runner.execute(plan)
         self.scheduler.postprocess(plan)
-        for seq, token_id, logprob, top in zip(plan.sampling_seqs, sampled.token_ids, sampled.sampled_logprobs,
-                                               sampled.top_logprobs):
-            outputs.append(self._append_token(self.requests[seq.request_id], token_id, logprob, top))
+        self._append_tokens(seqs, sampled, outputs)
         self.num_generation_tokens += len(sampled.token_ids)
-        self.last_step = _step_stats(plan, time.perf_counter() - started)
+        prefill = plan.num_prefill_tokens
+        self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
         return outputs
 
-    def _append_token(self, request: _Request, token_id: int, logprob: float, top) -> RequestOutput:
-        seq = request.seq
-        seq.append_token(token_id)
-        seq.cumulative_logprob += logprob
-        new_logprobs = []
-        if seq.sampling_params.logprobs is not None:
-            new_logprobs = [{**(top or {}), token_id: logprob}]
-            seq.logprobs.extend(new_logprobs)
-        delta = request.detokenizer.add([token_id])
-        reason = "stop" if request.detokenizer.stop_matched else self._finish_reason(seq, token_id)
-        if reason is not None:
-            delta += request.detokenizer.flush()
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id]
-        return self._output(request, [token_id], delta, reason, new_logprobs)
+    def _append_tokens(self, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
+        """Append each sequence's sampled token, detokenize, check stops, and add its RequestOutput.
+        The loop body runs once per sequence per step, so the usual case (no logprobs, no stop) is kept to a
+        few dictionary and set lookups; anything that may stop the request goes through _finish_reason."""
+        requests, eos_token_ids = self.requests, self.eos_token_ids
+        for seq, token_id, logprob, top in zip(seqs, sampled.token_ids, sampled.sampled_logprobs,
+                                               sampled.top_logprobs):
+            request = requests[seq.request_id]
+            token_ids = seq.token_ids
+            token_ids.append(token_id)
+            cumulative_logprob = seq.cumulative_logprob = seq.cumulative_logprob + logprob
+            new_logprobs = []
+            if request.wants_logprobs:
+                new_logprobs = [{**(top or {}), token_id: logprob}]
+                seq.logprobs.extend(new_logprobs)
+            detokenizer = request.detokenizer
+            delta = detokenizer.add_token(token_id)
+            reason = None
+            if (token_id in eos_token_ids or token_id in request.stop_token_ids
+                    or len(token_ids) >= request.max_num_tokens or detokenizer.stop_matched is not None):
+                reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(seq, token_id)
+                if reason is not None:
+                    delta += detokenizer.flush()
+                    self.scheduler.finish(seq, reason)
+                    del requests[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
+                                         seq.num_prompt_tokens, len(token_ids) - seq.num_prompt_tokens,
+                                         cumulative_logprob, new_logprobs, seq.num_cached_tokens))
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -193,7 +213,3 @@ def _eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
         ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
     return ids
 
-
-def _step_stats(plan, seconds: float) -> StepStats:
-    prefill = sum(s.num_new_tokens for s in plan.scheduled if s.is_prefill)
-    return StepStats(prefill, plan.num_batched_tokens - prefill, seconds)

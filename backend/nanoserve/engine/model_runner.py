@@ -9,7 +9,7 @@ import torch
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, get_tp_size, init_tp
-from nanoserve.engine.plan import ScheduledSeq, StepPlan
+from nanoserve.engine.plan import DecodeBatch, ScheduledSeq, StepPlan
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.models import get_model_class, load_weights
 
@@ -64,6 +64,8 @@ class BlockTableCache:
 def build_step_batch(plan: StepPlan, block_size: int, tables: BlockTableCache | None = None) -> StepBatch:
     """The batch for `plan`, from the plan alone: each ScheduledSeq contributes tokens start_pos..end_pos-1.
     Written as list comprehensions over the sequences: this runs every step, for up to max_num_seqs rows."""
+    if plan.decode is not None:
+        return build_decode_batch(plan.decode, block_size)
     scheduled = plan.scheduled
     seqs = [s.seq for s in scheduled]
     starts = [s.start_pos for s in scheduled]
@@ -93,6 +95,17 @@ def build_step_batch(plan: StepPlan, block_size: int, tables: BlockTableCache | 
     return StepBatch(np.array(input_ids, np.int64), np.array(positions, np.int64), np.array(slots, np.int64),
                      query_start, np.array(ends, np.int32), table_array,
                      (query_start[1:][sampled] - 1).astype(np.int64), max_query_len, max(ends, default=0))
+
+
+def build_decode_batch(decode: DecodeBatch, block_size: int) -> StepBatch:
+    """The batch of a decode-only plan, from its arrays: one token per row, every row sampled."""
+    positions = decode.positions
+    rows = np.arange(len(positions))
+    block_ids = decode.block_tables[rows, positions // block_size].astype(np.int64)
+    seq_lens = (positions + 1).astype(np.int32)
+    return StepBatch(decode.input_ids, positions, block_ids * block_size + positions % block_size,
+                     np.arange(len(positions) + 1, dtype=np.int32), seq_lens, decode.block_tables, rows,
+                     1, int(seq_lens.max(initial=0)))
 
 
 def _slot_range(table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -133,6 +146,8 @@ class ModelRunner:
         self.workers = None
         self.graphs = None
         self.sampler = None
+        self._sampling = None  # (seqs, eos_token_id, SamplingMetadata) of the last step, reused when the
+        # next step samples the same sequences
         self._closed = False
         if config.attention_backend == "flash_attn" and self.block_size % 256:
             raise ValueError(f"kvcache_block_size: attention_backend='flash_attn' needs a multiple of 256 "
@@ -314,13 +329,25 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan):
         """run_model + sampling -> SamplerOutput for plan.sampling_seqs, in order."""
-        from nanoserve.layers.sampler import Sampler, SamplingMetadata
+        from nanoserve.layers.sampler import Sampler
 
         logits = self.run_model(plan)
         if self.sampler is None:
             self.sampler = Sampler(self.config.seed)
-        meta = SamplingMetadata.from_seqs(plan.sampling_seqs, self.eos_token_id, logits.device)
-        return self.sampler(logits, meta)
+        return self.sampler(logits, self.sampling_metadata(plan.sampling_seqs))
+
+    def sampling_metadata(self, seqs: list):
+        """SamplingMetadata for seqs. A decode step usually samples the same sequences as the step before:
+        then only the parts that follow their tokens (seeds, penalties, min_tokens) are rebuilt."""
+        from nanoserve.layers.sampler import SamplingMetadata
+
+        last = self._sampling
+        if last is not None and last[0] == seqs and last[1] == self.eos_token_id:
+            meta = last[2].refresh(seqs)
+        else:
+            meta = SamplingMetadata.from_seqs(seqs, self.eos_token_id, self.device)
+        self._sampling = (list(seqs), self.eos_token_id, meta)
+        return meta
 
     def shutdown(self) -> None:
         if self._closed:

@@ -1,13 +1,88 @@
 """Continuous batching with chunked prefill: running sequences first (decodes and unfinished prefill chunks),
 then waiting ones FIFO, within a per-step token budget. When KV blocks run out the newest running sequence
-is preempted by recompute (its blocks are freed and it goes back to the front of the waiting queue)."""
+is preempted by recompute (its blocks are freed and it goes back to the front of the waiting queue).
+
+The common step, where every running sequence decodes one token, has a fast path (`_schedule_decode`) that
+works on arrays: the running sequences' block tables are kept as rows of one array (`RunningRows`), updated
+only when a table grows or a sequence joins or leaves, and the plan carries a `DecodeBatch` instead of one
+ScheduledSeq per sequence. It makes exactly the decisions the general path would; whenever it might not
+(a prefill, a preemption, the token budget), the general path runs instead."""
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter, itemgetter
+
+import numpy as np
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.plan import ScheduledSeq, StepPlan
+from nanoserve.engine.plan import DecodeBatch, ScheduledSeq, StepPlan
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+
+_token_ids = attrgetter("token_ids")
+_num_computed_tokens = attrgetter("num_computed_tokens")
+_last = itemgetter(-1)
+
+
+class RunningRows:
+    """Block tables and prompt lengths of the running sequences, row i for scheduler.running[i]. A running
+    sequence's table only grows (blocks are appended), so a row is written only for new blocks."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.block_tables = np.zeros((max(max_rows, 1), max(max_blocks, 1)), dtype=np.int32)
+        self.num_blocks = np.zeros(max(max_rows, 1), dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max(max_rows, 1), dtype=np.int64)
+        self.size = 0
+
+    def append(self, seq: Sequence) -> None:
+        if self.size == len(self.num_blocks):
+            self._grow(rows=2 * self.size)
+        row = self.size
+        self.size += 1
+        self.num_blocks[row] = 0
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        self.sync_table(row, seq.block_table)
+
+    def sync_table(self, row: int, table: list[int]) -> None:
+        """Write the blocks appended to `table` since the row was last written."""
+        old, new = int(self.num_blocks[row]), len(table)
+        if new > self.block_tables.shape[1]:
+            self._grow(blocks=max(new, 2 * self.block_tables.shape[1]))
+        self.block_tables[row, old:new] = table[old:]
+        self.num_blocks[row] = new
+
+    def remove(self, row: int) -> None:
+        """Drop a row; the rows after it move up one, as the sequences after it in `running` do."""
+        end = self.size
+        for array in (self.block_tables, self.num_blocks, self.num_prompt_tokens):
+            array[row:end - 1] = array[row + 1:end]
+        self.size -= 1
+        self.block_tables[self.size] = 0
+
+    def pop(self) -> None:
+        self.size -= 1
+        self.block_tables[self.size] = 0
+
+    def tables(self, num_rows: int) -> np.ndarray:
+        """A copy of the first num_rows tables, as wide as the widest of them."""
+        width = int(self.num_blocks[:num_rows].max()) if num_rows else 0
+        return self.block_tables[:num_rows, :max(width, 1)].copy()
+
+    def _grow(self, rows: int | None = None, blocks: int | None = None) -> None:
+        rows = rows or len(self.num_blocks)
+        blocks = blocks or self.block_tables.shape[1]
+        tables = np.zeros((rows, blocks), dtype=np.int32)
+        tables[:len(self.num_blocks), :self.block_tables.shape[1]] = self.block_tables
+        self.block_tables = tables
+        self.num_blocks = np.resize(self.num_blocks, rows)
+        self.num_prompt_tokens = np.resize(self.num_prompt_tokens, rows)
+
+    def check(self, running: list[Sequence]) -> None:
+        """Assert the rows match the running sequences (a testing aid, O(rows x blocks))."""
+        assert self.size == len(running), (self.size, len(running))
+        for row, seq in enumerate(running):
+            n = len(seq.block_table)
+            assert self.num_blocks[row] == n and self.num_prompt_tokens[row] == seq.num_prompt_tokens, seq
+            assert self.block_tables[row, :n].tolist() == seq.block_table, (seq, self.block_tables[row, :n])
 
 
 class Scheduler:
@@ -21,6 +96,7 @@ class Scheduler:
         assert self.block_size == config.kvcache_block_size, "block manager and config disagree on block size"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        self.rows = RunningRows(config.max_num_seqs, -(-config.max_model_len // self.block_size))
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prompt positions computed, i.e. not taken from the prefix cache
 
@@ -70,15 +146,20 @@ class Scheduler:
         if seq is None:
             return None
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._remove_running(seq)
         else:
             self.waiting.remove(seq)
         self._release(seq, "abort")
         return seq
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        self.running.remove(seq)
+        self._remove_running(seq)
         self._release(seq, reason)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        row = self.running.index(seq)
+        del self.running[row]
+        self.rows.remove(row)
 
     def _find(self, request_id: str) -> Sequence | None:
         for seq in self.running:
@@ -96,11 +177,41 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
-        budget = self._schedule_running(plan, self.max_num_batched_tokens)
-        if not plan.preempted:
-            self._schedule_waiting(plan, budget)
+        plan = self._schedule_decode()
+        if plan is None:
+            plan = StepPlan()
+            budget = self._schedule_running(plan, self.max_num_batched_tokens)
+            if not plan.preempted:
+                self._schedule_waiting(plan, budget)
+        elif self.waiting:  # what the general path does after the running sequences: admit waiting ones
+            admitted = StepPlan()
+            self._schedule_waiting(admitted, self.max_num_batched_tokens - len(plan.decode))
+            if admitted.scheduled:
+                plan = StepPlan(plan.scheduled + admitted.scheduled)
         return plan
+
+    def _schedule_decode(self) -> StepPlan | None:
+        """Every running sequence decodes its last token, over arrays; None (nothing changed) when the step is
+        not that: a prefill chunk to run, the token budget too small, or too few free blocks to grow the tables
+        (the general path then preempts)."""
+        running, rows, block_manager = self.running, self.rows, self.block_manager
+        n = len(running)
+        if n == 0 or n > self.max_num_batched_tokens:
+            return None
+        token_ids = list(map(_token_ids, running))
+        positions = np.fromiter(map(_num_computed_tokens, running), np.int64, n)
+        num_tokens = np.fromiter(map(len, token_ids), np.int64, n)
+        if not (np.array_equal(positions + 1, num_tokens) and (positions >= rows.num_prompt_tokens[:n]).all()):
+            return None
+        growing = np.flatnonzero(positions >= rows.num_blocks[:n] * self.block_size).tolist()
+        if not block_manager.can_allocate(len(growing)):
+            return None
+        for row in growing:  # in running order, as the general path allocates
+            seq = running[row]
+            block_manager.allocate(seq, 1)
+            rows.sync_table(row, seq.block_table)
+        input_ids = np.fromiter(map(_last, token_ids), np.int64, n)
+        return StepPlan(decode=DecodeBatch(list(running), positions, input_ids, rows.tables(n)))
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         running, scheduled, block_size = self.running, plan.scheduled, self.block_size
@@ -113,9 +224,10 @@ class Scheduler:
                 i += 1
                 continue
             # Most decodes stay inside their last block: check that inline, it is the per-step hot path.
-            if start + num_new > len(seq.block_table) * block_size and \
-                    not self._allocate_or_preempt(seq, num_new, plan):
-                break
+            if start + num_new > len(seq.block_table) * block_size:
+                if not self._allocate_or_preempt(seq, num_new, plan):
+                    break
+                self.rows.sync_table(i, seq.block_table)
             scheduled.append(ScheduledSeq(seq, start, num_new))
             budget -= num_new
             i += 1
@@ -136,6 +248,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
         self.running.pop()  # always the newest
+        self.rows.pop()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
@@ -151,6 +264,7 @@ class Scheduler:
                 return  # FIFO: nothing behind it jumps the queue
             self.waiting.popleft()
             self.running.append(seq)
+            self.rows.append(seq)
             plan.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
 
@@ -168,6 +282,9 @@ class Scheduler:
 
     def postprocess(self, plan: StepPlan) -> None:
         """Record the KV computed by the step and register newly full blocks in the prefix cache."""
+        if plan.decode is not None:
+            self._postprocess_decode(plan.decode)
+            return
         block_manager, block_size = self.block_manager, self.block_size
         running = SequenceStatus.RUNNING
         for scheduled in plan.scheduled:
@@ -180,3 +297,21 @@ class Scheduler:
                 self.prompt_tokens_computed += min(end, seq.num_prompt_tokens) - start
             if end // block_size != start // block_size:  # a block became full
                 block_manager.cache_full_blocks(seq)
+
+    def _postprocess_decode(self, decode: DecodeBatch) -> None:
+        """postprocess for a decode batch: one computed token per sequence, and the sequences whose last
+        block just became full get it hashed. No prompt token is computed by a decode."""
+        running = SequenceStatus.RUNNING
+        ends = decode.positions + 1
+        for seq, end in zip(decode.seqs, ends.tolist()):
+            if seq.status is running:  # else aborted between schedule() and now: its blocks are gone
+                seq.num_computed_tokens = end
+        if self.block_manager.enable_prefix_caching:
+            for row in np.flatnonzero(ends % self.block_size == 0).tolist():
+                seq = decode.seqs[row]
+                if seq.status is running:
+                    self.block_manager.cache_full_blocks(seq)
+
+    def check_rows(self) -> None:
+        """Assert the fast path's block-table rows match the running sequences (testing aid)."""
+        self.rows.check(self.running)

@@ -4,8 +4,9 @@ The backend is chosen by name once, at construction:
   "torch"      nanoserve.kernels.reference (the CPU path; host-synchronizing, so never CUDA-graphed)
   "triton"     nanoserve.kernels.ops (same signatures as the reference)
   "flash_attn" flash_attn_varlen_func / flash_attn_with_kvcache (paged KV needs block_size % 256 == 0)
-Padded rows (CUDA-graph batches) have slot -1 and seq_len 1: nothing is stored and the row attends to one
-harmless cached token, so every backend gives finite output that is then dropped.
+Padded rows of CUDA-graph batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or
+read, and the triton and flash_attn backends write zeros for them (dropped afterwards). The torch backend
+is never graphed: it synchronizes with the host.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _triton_backend():
 
     def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        # the hints let a decode-only step skip the prefill launch and size the decode split-K
+        # the hints let a decode-only step skip the prefill launch and cap the decode split-K; under a CUDA
+        # graph max_seq_len is max_model_len (a bound for every replay), not the capture batch's maximum
         return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                    meta.seq_lens, scale, max_query_len=meta.max_query_len,
                                    max_seq_len=meta.max_seq_len)

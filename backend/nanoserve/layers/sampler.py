@@ -2,12 +2,16 @@
 
 Per step: penalties and min_tokens masking edit the logits; logprobs are read there (before temperature,
 top-k, top-p and min-p, so they describe the model's distribution, not the sampling one); then greedy rows
-take the argmax and the others sample with the exponential race argmax(probs / Exp(1) noise).
-A seeded row draws its noise only from (seed, number of tokens it has generated), so it gets the same tokens
-whatever else shares the batch; unseeded rows share the Sampler's generator.
+take the argmax and the others sample from the tempered, filtered distribution:
+- unseeded rows by inverse CDF, one uniform draw per row from the Sampler's generator (drawing Exp(1) noise
+  for every vocabulary entry, as the exponential race does, costs far more than the rest of the sampler);
+- a seeded row by the exponential race argmax(probs / Exp(1) noise), its noise drawn only from (seed, number
+  of tokens it has generated), so it gets the same tokens whatever else shares the batch.
+Filtered-out tokens have probability exactly 0, and neither method can pick one.
 """
 from __future__ import annotations
 
+import copy
 import math
 from array import array
 from dataclasses import dataclass, field
@@ -69,10 +73,21 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked by min_tokens
     logprobs: list[tuple[int, int]] = field(default_factory=list)  # (row, number of top logprobs)
+    # What the step-dependent parts (seeded, penalties, banned) are rebuilt from by refresh(): they follow
+    # the sequences' tokens, the rest only their SamplingParams.
+    seeds: list[tuple[int, int]] = field(default_factory=list)  # (row, user seed) of seeded sampled rows
+    penalty_params: tuple[list, list, list] | None = None  # (repetition, presence, frequency) per row
+    min_tokens: list[int] | None = None  # per row, when some row sets min_tokens
+    eos_token_id: int | list[int] | None = None
+    device: torch.device | str = "cpu"
 
     @property
     def edits_logits(self) -> bool:
         return self.penalties is not None or self.banned is not None
+
+    @property
+    def is_step_dependent(self) -> bool:
+        return bool(self.seeds) or self.penalty_params is not None or self.min_tokens is not None
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], eos_token_id: int | list[int] | None = None,
@@ -82,23 +97,42 @@ class SamplingMetadata:
         params = [seq.sampling_params for seq in seqs]
         n = len(params)
         temps = [p.temperature for p in params]
-        meta = cls(num_rows=n, all_greedy=n == 0 or max(temps) < GREEDY_TEMPERATURE)
+        meta = cls(num_rows=n, all_greedy=n == 0 or max(temps) < GREEDY_TEMPERATURE, eos_token_id=eos_token_id,
+                   device=device)
         if not meta.all_greedy:
-            meta._set_sampling(params, temps, seqs, device)
+            meta._set_sampling(params, temps, device)
         reps = [p.repetition_penalty for p in params]
         presences = [p.presence_penalty for p in params]
         frequencies = [p.frequency_penalty for p in params]
         if reps.count(1.0) != n or any(presences) or any(frequencies):
-            meta.penalties = _build_penalties(seqs, reps, presences, frequencies, device)
+            meta.penalty_params = (reps, presences, frequencies)
         min_tokens = [p.min_tokens for p in params]
         if any(min_tokens):
-            meta.banned = _build_banned(seqs, min_tokens, eos_token_id, device)
+            meta.min_tokens = min_tokens
         logprobs = [p.logprobs for p in params]
         if logprobs.count(None) != n:
             meta.logprobs = [(row, k) for row, k in enumerate(logprobs) if k is not None]
+        meta._set_step_dependent(seqs)
         return meta
 
-    def _set_sampling(self, params, temps, seqs, device) -> None:
+    def refresh(self, seqs: list[Sequence]) -> "SamplingMetadata":
+        """The metadata of the same sequences one step later (the usual decode step): the per-request part is
+        reused, only seeds, penalties and min_tokens masks are rebuilt, and only when some row uses them."""
+        if not self.is_step_dependent:
+            return self
+        meta = copy.copy(self)
+        meta._set_step_dependent(seqs)
+        return meta
+
+    def _set_step_dependent(self, seqs: list[Sequence]) -> None:
+        if self.seeds:
+            self.seeded = [(row, step_seed(seed, seqs[row].num_output_tokens)) for row, seed in self.seeds]
+        if self.penalty_params is not None:
+            self.penalties = _build_penalties(seqs, *self.penalty_params, self.device)
+        if self.min_tokens is not None:
+            self.banned = _build_banned(seqs, self.min_tokens, self.eos_token_id, self.device)
+
+    def _set_sampling(self, params, temps, device) -> None:
         greedy = [t < GREEDY_TEMPERATURE for t in temps]
         if any(greedy):
             self.greedy = _tensor(greedy, torch.bool, device)
@@ -115,8 +149,7 @@ class SamplingMetadata:
             self.log_min_ps = _column([math.log(p) if p > 0 else -math.inf for p in min_ps], torch.float32, device)
         seeds = [p.seed for p in params]
         if seeds.count(None) != len(seeds):
-            self.seeded = [(row, step_seed(seed, seqs[row].num_output_tokens))
-                           for row, seed in enumerate(seeds) if seed is not None and not greedy[row]]
+            self.seeds = [(row, seed) for row, seed in enumerate(seeds) if seed is not None and not greedy[row]]
 
 
 class Sampler:
@@ -135,10 +168,10 @@ class Sampler:
                 in_vocab = token_ids < logits.shape[1]  # an out-of-vocab stop_token_id can never be sampled
                 logits[rows[in_vocab], token_ids[in_vocab]] = float("-inf")
         if meta.all_greedy:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = argmax(logits)
         else:
             token_ids = self._sample(logits, meta)
-        log_norm = torch.logsumexp(logits, dim=-1)
+        log_norm = logsumexp(logits)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
         token_list = token_ids.tolist()
         logprob_list = sampled_logprobs.tolist()
@@ -152,23 +185,30 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps)
         if meta.log_min_ps is not None:
             scaled = apply_min_p(scaled, meta.log_min_ps)
-        probs = scaled.softmax(dim=-1)
-        sampled = probs.div_(self._noise(probs, meta)).argmax(dim=-1)
+        if len(meta.seeded) < meta.num_rows:
+            weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # unnormalized probabilities
+            uniforms = torch.rand((meta.num_rows, 1), generator=self._generator(
+                self._generators, logits.device, self.seed), device=logits.device)
+            sampled = sample_inverse_cdf(weights, uniforms)
+        else:
+            sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
+        if meta.seeded:
+            rows = torch.tensor([row for row, _ in meta.seeded], device=logits.device)
+            sampled[rows] = self._seeded_race(scaled[rows], [seed for _, seed in meta.seeded])
         if meta.greedy is not None:
-            sampled = torch.where(meta.greedy, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(meta.greedy, argmax(logits), sampled)
         return sampled
 
-    def _noise(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Exp(1) noise per row; a zero draw would turn probs / noise into inf or nan, so clamp it."""
+    def _seeded_race(self, scaled: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+        """Exponential race for seeded rows: argmax(probs / Exp(1) noise), each row's noise from its own seed.
+        A zero draw would turn probs / noise into inf or nan, so the noise is clamped."""
+        probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs)
-        if len(meta.seeded) < meta.num_rows:
-            noise.exponential_(generator=self._generator(self._generators, probs.device, self.seed))
-        if meta.seeded:
-            generator = self._generator(self._row_generators, probs.device, 0)
-            for row, seed in meta.seeded:
-                generator.manual_seed(seed)
-                noise[row].exponential_(generator=generator)
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        generator = self._generator(self._row_generators, probs.device, 0)
+        for i, seed in enumerate(seeds):
+            generator.manual_seed(seed)
+            noise[i].exponential_(generator=generator)
+        return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     @staticmethod
     def _generator(cache: dict, device: torch.device, seed: int) -> torch.Generator:
@@ -176,6 +216,35 @@ class Sampler:
             cache[device] = torch.Generator(device=device)
             cache[device].manual_seed(seed)
         return cache[device]
+
+
+def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One categorical draw per row of non-negative, unnormalized weights [N, V]: the first token whose
+    cumulative weight exceeds u * total, for uniforms u [N, 1] in [0, 1). Zero-weight tokens are never drawn:
+    their cumulative weight equals the previous token's, and a draw that rounding pushes to the total is
+    clamped to the first index reaching it (the last token with nonzero weight)."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    token_ids = torch.minimum(torch.searchsorted(cdf, uniforms * total, right=True), torch.searchsorted(cdf, total))
+    if cdf.device.type != "cpu":  # a parallel cumsum may round non-monotonically (the CPU one is sequential)
+        drawn = weights.gather(1, token_ids) > 0
+        token_ids = torch.where(drawn, token_ids, weights.argmax(dim=-1, keepdim=True))
+    return token_ids.squeeze(1)
+
+
+def argmax(values: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim (first maximal index, as torch.argmax). On CPU through numpy: torch's CPU
+    argmax over a row is a scalar loop, ~40x slower than numpy's at a 1k-150k vocabulary."""
+    if values.device.type == "cpu" and values.dtype == torch.float32 and values.numel():
+        return torch.from_numpy(values.numpy().argmax(axis=-1))
+    return values.argmax(dim=-1)
+
+
+def logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp over the last dim of finite-max rows, in fewer passes (max, exp, sum)."""
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    return (logits - top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: Scalar | torch.Tensor | None,

@@ -26,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,8 +67,9 @@ def find_tritonserver() -> TritonInstall:
 
 def default_backend_model() -> Path | None:
     """The repo's backend/model.py (a source checkout or an editable install); None when not installed that way."""
-    path = _PACKAGE_DIR.parent / "model.py"
-    return path if path.is_file() else None
+    root = repo_root()
+    path = root / "backend" / "model.py" if root else None
+    return path if path and path.is_file() else None
 
 
 def assemble_backend_dir(install: TritonInstall, dest: Path, backend_model: Path | None = None) -> Path:
@@ -86,6 +88,9 @@ def assemble_backend_dir(install: TritonInstall, dest: Path, backend_model: Path
     if backend_model is not None:
         (dest / BACKEND_NAME).mkdir()
         shutil.copy2(backend_model, dest / BACKEND_NAME / "model.py")
+    elif not (dest / BACKEND_NAME).exists():
+        warnings.warn(f"no {BACKEND_NAME} backend (backend/model.py of a source checkout): models with backend "
+                      f"\"{BACKEND_NAME}\" will not load", stacklevel=2)
     return dest
 
 

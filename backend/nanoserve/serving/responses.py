@@ -55,14 +55,14 @@ class ResponseThread:
     called before stream.token_ids is extended with output.new_token_ids."""
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
-                 cancel_check_interval: float = 0.1):
+                 cancel_sweep_interval: float = 0.5):
         self.pb = pb_utils
         self.events = events
         self.engine_thread = engine_thread
         self.metrics = metrics
         self.formatter = formatter
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
-        self.cancel_check_interval = cancel_check_interval
+        self.cancel_sweep_interval = cancel_sweep_interval
         self.streams: dict[str, Stream] = {}
         self._next_sweep = 0.0
         self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
@@ -80,7 +80,7 @@ class ResponseThread:
     def _run(self) -> None:
         while True:
             try:
-                event = self.events.get(timeout=self.cancel_check_interval)
+                event = self.events.get(timeout=self.cancel_sweep_interval)
             except queue.Empty:
                 event = None
             try:
@@ -109,14 +109,19 @@ class ResponseThread:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in event.outputs))
 
     def _sweep_cancelled(self) -> None:
+        """Outputs check their own request; this catches the ones that produce none (waiting, preempted)."""
         now = time.monotonic()
         if now < self._next_sweep:
             return
-        self._next_sweep = now + self.cancel_check_interval
+        self._next_sweep = now + self.cancel_sweep_interval
         for request_id, stream in self.streams.items():
-            if not stream.cancelled and stream.sender.is_cancelled():
-                stream.cancelled = True
-                self.engine_thread.abort(request_id)  # blocks are freed; the "abort" output ends the stream
+            self._check_cancelled(request_id, stream)
+
+    def _check_cancelled(self, request_id: str, stream: Stream) -> bool:
+        if not stream.cancelled and stream.sender.is_cancelled():
+            stream.cancelled = True
+            self.engine_thread.abort(request_id)  # blocks are freed; the "abort" output ends the stream
+        return stream.cancelled
 
     # ---- one output ---------------------------------------------------------------------------------
     def _on_output(self, output) -> None:
@@ -124,7 +129,7 @@ class ResponseThread:
         if stream is None:  # already ended (a failure raced with a last output)
             return
         self._record_timing(stream, output)
-        if stream.cancelled:
+        if self._check_cancelled(output.request_id, stream):
             if output.finished:
                 self._fail(output.request_id, "request cancelled", self.pb.TritonError.CANCELLED, output)
             return

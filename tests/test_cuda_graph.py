@@ -1,0 +1,270 @@
+"""The CUDA-graph decode path without a GPU: the capture protocol against a fake torch.cuda graph API, replay
+through the model runner (a fake graph's replay runs the captured forward eagerly on the static buffers),
+padding, eager fallbacks, and a check that the captured forward never synchronizes with the host."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import pytest
+import torch
+from test_model_runner import Blocks, check_rows, hf_last_logits, make_runner, make_seq, random_ids, run_step
+from torch.overrides import TorchFunctionMode
+
+from nanoserve.engine.cuda_graph import PAD_SEQ_LEN, PAD_SLOT, CUDAGraphRunner
+
+MAX_MODEL_LEN = 256  # make_runner's
+
+
+def use_triton_kernels(monkeypatch):
+    """Norms, RoPE and SiLU take the Triton kernels on CPU tensors too (through the interpreter), as on CUDA."""
+    from nanoserve.layers import activation, norm, rotary
+
+    pytest.importorskip("nanoserve.kernels.ops")
+    for module in (activation, norm, rotary):
+        monkeypatch.setattr(module, "pick", lambda name, reference, x: activation.cuda_op(name))
+
+
+def graph_runner(runner, max_num_seqs: int, max_blocks: int | None = None) -> CUDAGraphRunner:
+    return CUDAGraphRunner(runner.model, max_num_seqs, max_blocks or runner.max_blocks_per_seq, MAX_MODEL_LEN,
+                           runner.config.hf_config.hidden_size, runner.dtype, runner.device)
+
+
+class FakeGraph:
+    """A captured graph on CPU: replay() runs `body` (the captured bucket's forward) eagerly."""
+
+    def __init__(self, body=None):
+        self.body = body
+        self.handle = ("pool", id(self))
+
+    def pool(self):
+        return self.handle
+
+    def replay(self):
+        self.body()
+
+
+class FakeCuda:
+    """torch.cuda.CUDAGraph / graph / synchronize stand-ins that log the capture protocol."""
+
+    def __init__(self, monkeypatch):
+        self.log = []
+        self.capturing = None
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+        monkeypatch.setattr(torch.cuda, "graph", self.graph)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.log.append(("sync",)))
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None):
+        self.log.append(("capture", pool))
+        self.capturing = graph
+        try:
+            yield
+        finally:
+            self.capturing = None
+
+    def spy_forward(self, model, monkeypatch):
+        forward = model.forward
+
+        def logged(input_ids, positions, meta):
+            self.log.append(("forward", input_ids.shape[0], self.capturing is not None,
+                             torch.is_inference_mode_enabled()))
+            return forward(input_ids, positions, meta)
+        monkeypatch.setattr(model, "forward", logged)
+
+
+def fake_capture(graphs: CUDAGraphRunner, monkeypatch) -> FakeCuda:
+    cuda = FakeCuda(monkeypatch)
+    cuda.spy_forward(graphs.model, monkeypatch)
+    graphs.capture()
+    for bucket, graph in graphs.graphs.items():
+        graph.body = functools.partial(graphs._forward, bucket)
+    return cuda
+
+
+def spy_replays(graphs: CUDAGraphRunner, monkeypatch) -> list[int]:
+    batches, run = [], graphs.run
+
+    def wrapped(input_ids, positions, meta):
+        batches.append(input_ids.shape[0])
+        return run(input_ids, positions, meta)
+    monkeypatch.setattr(graphs, "run", wrapped)
+    return batches
+
+
+# ---- capture ----
+def test_capture_largest_first_into_one_pool_after_a_warmup(tiny_models, monkeypatch):
+    from nanoserve.kernels import ops
+
+    runner = make_runner(tiny_models["qwen3"], attention_backend="triton", max_num_seqs=8)
+    attention_hints = []
+    paged_attention = ops.paged_attention
+
+    def spy(*args, **kwargs):
+        attention_hints.append((kwargs["max_query_len"], kwargs["max_seq_len"]))
+        return paged_attention(*args, **kwargs)
+    monkeypatch.setattr(ops, "paged_attention", spy)
+    graphs = graph_runner(runner, 8)
+    cuda = fake_capture(graphs, monkeypatch)
+
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    pool = graphs.graphs[8].pool()
+    expected = []
+    for bucket in (8, 4, 2, 1):
+        expected += [("forward", bucket, False, True), ("sync",),  # warm-up, outside the capture
+                     ("capture", None if bucket == 8 else pool), ("forward", bucket, True, True), ("sync",)]
+    assert cuda.log == expected
+    # the decode split count is frozen at capture: it is sized from max_model_len, not the dummy batch
+    assert set(attention_hints) == {(1, MAX_MODEL_LEN)}
+    runner.shutdown()
+
+
+def test_capture_refuses_host_synchronizing_attention(tiny_models, monkeypatch):
+    runner = make_runner(tiny_models["qwen3"])  # attention_backend "torch"
+    graphs = graph_runner(runner, 4)
+    cuda = FakeCuda(monkeypatch)
+    with pytest.raises(ValueError, match="cannot run in a CUDA graph"):
+        graphs.capture()
+    assert cuda.log == [] and graphs.graphs == {}
+    runner.shutdown()
+
+
+# ---- replay through the model runner ----
+def test_replay_matches_hf_and_repads_rows(tiny_models, monkeypatch):
+    use_triton_kernels(monkeypatch)
+    model_dir = tiny_models["qwen3"]
+    runner = make_runner(model_dir, attention_backend="triton", max_num_seqs=8)
+    graphs = graph_runner(runner, 8)
+    fake_capture(graphs, monkeypatch)
+    graphs.block_tables.fill_(1 << 30)  # stale ids that a padded row or an unused column must never follow
+    runner.graphs = graphs
+    replays = spy_replays(graphs, monkeypatch)
+    blocks = Blocks(96, 4, seed=5)
+    seqs = [make_seq(f"r{i}", random_ids(n, seed=50 + i)) for i, n in enumerate((3, 9, 5, 1, 6))]
+    run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
+    assert replays == []  # prefill runs eagerly
+
+    for batch in (seqs, seqs[:3]):  # bucket 8 with 3 padded rows, then bucket 4: rows 3, 4 become padding
+        for seq in batch:
+            seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+        check_rows(model_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in batch]), batch)
+        assert (graphs.slot_mapping[len(batch):] == PAD_SLOT).all()
+        assert (graphs.seq_lens[len(batch):] == PAD_SEQ_LEN).all()
+    assert replays == [5, 3]
+    assert graphs.outputs[:4].isfinite().all()  # padded row 3 included
+    runner.shutdown()
+
+
+def test_eager_fallbacks(tiny_models, monkeypatch):
+    """Steps a graph cannot take run eagerly and still give HF's logits. The torch backend is fine here: the
+    fake graphs are installed without a capture."""
+    model_dir = tiny_models["llama"]
+    runner = make_runner(model_dir, max_num_seqs=4)
+    graphs = graph_runner(runner, max_num_seqs=2, max_blocks=3)  # buckets 1, 2; tables up to 3 blocks of 4
+    graphs.graphs = {b: FakeGraph(functools.partial(graphs._forward, b)) for b in graphs.buckets}
+    runner.graphs = graphs
+    replays = spy_replays(graphs, monkeypatch)
+    blocks = Blocks(96, 4, seed=6)
+    a, b, c = (make_seq(f"f{i}", random_ids(n, seed=60 + i)) for i, n in enumerate((4, 7, 11)))
+    run_step(runner, blocks, [(s, 0, s.num_tokens) for s in (a, b, c)])
+    for seq in (a, b, c):
+        seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+
+    check_rows(model_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in (a, b, c)]), [a, b, c])
+    assert replays == []  # 3 sequences: bigger than the largest bucket
+    c_step = [(c, c.num_tokens - 1, 1)]
+    check_rows(model_dir, run_step(runner, blocks, c_step), [c])
+    assert len(c.block_table) == 3 and replays == [1]  # 12 tokens: exactly the captured width
+    c.append_token(5)
+    check_rows(model_dir, run_step(runner, blocks, [(c, c.num_tokens - 1, 1)]), [c])
+    assert len(c.block_table) == 4 and replays == [1]  # a block table wider than captured
+    d = make_seq("f3", random_ids(6, seed=63))
+    a.append_token(9)
+    check_rows(model_dir, run_step(runner, blocks, [(a, a.num_tokens - 1, 1), (d, 0, 6)]), [a, d])
+    assert replays == [1]  # a mixed prefill + decode step
+    runner.shutdown()
+
+
+def test_replay_needs_one_token_per_sequence(tiny_models):
+    from nanoserve.layers.attention import AttentionMetadata
+
+    runner = make_runner(tiny_models["qwen3"])
+    graphs = graph_runner(runner, 4)
+    ids = torch.zeros(2, dtype=torch.int64)
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+                             torch.ones(3, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32), 1, 1, True)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        graphs.run(ids, ids, meta)
+    runner.shutdown()
+
+
+# ---- nothing in the captured forward synchronizes with the host ----
+SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere", "numpy",
+           "cpu", "tensor", "as_tensor", "masked_select", "unique", "unique_consecutive"}
+
+
+class HostSyncDetector(TorchFunctionMode):
+    """Records torch calls that wait for the device or read host data, made outside Triton itself (whose
+    interpreter moves tensors to numpy by design): reading a value (.item(), Python branches on a tensor),
+    data-dependent shapes (nonzero, boolean-mask indexing), tensors built from host data (an H2D copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if (name in SYNCING or _bool_mask_index(name, args)) and not _inside_triton():
+            self.calls.append(f"{name} at {_caller()}")
+        return func(*args, **(kwargs or {}))
+
+
+def _bool_mask_index(name: str, args) -> bool:
+    if name not in ("__getitem__", "__setitem__", "index_put_", "index_put") or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], (tuple, list)) else (args[1],)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+
+
+def _frames():
+    frame = sys._getframe(2)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _inside_triton() -> bool:
+    return any(f.f_globals.get("__name__", "").startswith("triton") for f in _frames())
+
+
+def _caller() -> str:
+    for f in _frames():
+        if f.f_globals.get("__name__", "").startswith("nanoserve"):
+            return f"{f.f_code.co_filename}:{f.f_lineno}"
+    return "?"
+
+
+def _graph_forward_host_syncs(model_dir: str, backend: str) -> list[str]:
+    """The captured decode forward at bucket 4 (2 real rows, 2 padded) under the detector."""
+    runner = make_runner(model_dir, attention_backend=backend, max_num_seqs=4)
+    graphs = graph_runner(runner, 4)
+    graphs.input_ids[:2] = torch.tensor([5, 6])
+    graphs.positions[:2] = torch.tensor([4, 0])
+    graphs.slot_mapping[:2] = torch.tensor([4, 8])
+    graphs.seq_lens[:2] = torch.tensor([5, 1], dtype=torch.int32)
+    graphs.block_tables[:2, :2] = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    with HostSyncDetector() as detector, torch.inference_mode():
+        graphs._forward(4)
+    runner.shutdown()
+    return detector.calls
+
+
+def test_captured_forward_never_syncs_with_host(tiny_models, monkeypatch):
+    use_triton_kernels(monkeypatch)
+    assert _graph_forward_host_syncs(tiny_models["qwen3"], "triton") == []
+
+
+def test_host_sync_detector_catches_the_torch_backend(tiny_models):
+    calls = _graph_forward_host_syncs(tiny_models["qwen3"], "torch")
+    assert any(c.startswith("tolist") for c in calls) and any(c.startswith("__getitem__") for c in calls)
