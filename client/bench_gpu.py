@@ -162,7 +162,7 @@ def run_offline(model: str, args, device: str) -> list[OfflineResult]:
 
     vocab = AutoConfig.from_pretrained(model).vocab_size
     prompts, output_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed)
-    warmup_prompts, _ = make_workload(4, 16, 64, vocab, args.seed + 1)
+    warmup_prompts, _ = make_workload(4, args.min_len, args.max_len, vocab, args.seed + 1)
     engine_args = {"device": device, "max_model_len": args.max_model_len, "max_num_seqs": args.num_seqs,
                    **dict(kv.split("=", 1) for kv in args.engine_arg)}
     results = []
@@ -320,7 +320,8 @@ def decode_table(r: DecodeResult, copy_bps: float, peak_flops: float) -> str:
         ["engine step with CUDA graphs (wall: host prep, forward, LM head, sampler)", *vs_floor(r.step_graph_ms)],
         ["engine step, enforce_eager (wall)", *vs_floor(r.step_eager_ms)],
     ]
-    title = f"#### Decode step: batch {r.batch}, mean context {r.mean_ctx:.0f} tokens (uniform +-25%), block size 16\n\n"
+    title = (f"#### Decode step: batch {r.batch}, mean context {r.mean_ctx:.0f} tokens (uniform +-25%), "
+             "block size 16\n\n")
     return title + markdown_table(["", "value", "bandwidth floor / time"], rows)
 
 

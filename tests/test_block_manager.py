@@ -324,6 +324,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert {s.request_id for s in holders} == set(self.live)
         assert all(not s.block_table for s in scheduler.waiting)
         self.bm.check_invariants(holders)  # free xor used, ref counts, hashed prefix of each table
+        scheduler.check_rows()  # the decode fast path's block-table rows mirror the running sequences
         used = {b for s in scheduler.running for b in s.block_table}
         assert not used & set(self.bm.free_block_ids)
         for block_hash, block_id in self.bm.hash_to_block_id.items():

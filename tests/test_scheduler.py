@@ -32,6 +32,7 @@ def step(scheduler: Scheduler, next_token=7):
     plan = scheduler.schedule()
     assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
     assert len(plan.scheduled) <= scheduler.max_num_seqs
+    scheduler.check_rows()
     scheduler.postprocess(plan)
     plan.sampled = [s.seq.request_id for s in plan.scheduled if s.samples]  # before tokens are appended
     for seq in plan.sampling_seqs:

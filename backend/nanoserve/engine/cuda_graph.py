@@ -22,9 +22,9 @@ pointers bound at capture time: rebinding the cache means capturing again.
 No torch.compile. Under the graphs the decode step launches nothing from Python, and the elementwise chains
 compile would fuse (residual add + RMSNorm, SiLU-and-mul, RoPE, KV store) already are single Triton kernels;
 what remains is cuBLAS GEMMs and attention, which compile leaves alone. Prefill is GEMM/attention bound.
-The price would be minutes of compilation per start (one per bucket shape, or dynamic shapes), recompiles
-on shape changes at serve time, and graph breaks around the Triton launches and tensor-parallel collectives.
-The one place with many small eager ops is the sampler, which is not part of this module.
+The price would be tens of seconds to minutes of compilation per start (per bucket shape, or dynamic
+shapes), recompiles on shape changes at serve time, and graph breaks around the Triton launches and the
+tensor-parallel collectives. The one place with many small eager ops is the sampler, outside this module.
 """
 from __future__ import annotations
 

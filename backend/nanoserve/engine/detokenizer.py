@@ -38,7 +38,8 @@ class IncrementalDetokenizer:
         self._bytes = tables[0] if tables else None
         self._tail = b""  # byte-level path: bytes of a character not complete yet
         self.stop = [s for s in stop if s]
-        # add_token's table: each token's text when its bytes are whole UTF-8 characters, else None
+        # add_token's shortcut, for byte-level without stop strings: each token's text when its bytes are whole
+        # UTF-8 characters, else None. None once finished.
         self._texts = tables[1] if tables and not self.stop else None
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_matched: str | None = None
@@ -68,18 +69,25 @@ class IncrementalDetokenizer:
         return self.stop_matched is not None or self._flushed
 
     def add_token(self, token_id: int) -> str:
-        """add([token_id]); a table lookup when the token's bytes are whole characters and nothing is pending
-        (byte-level tokenizers without stop strings)."""
-        if self._texts is not None and not self._tail:
+        """add([token_id]), shortened for byte-level tokenizers without stop strings: a table lookup when the
+        token's bytes are whole characters and nothing is pending, else the incremental UTF-8 decode (with
+        no stop string to search for, all of it is released at once)."""
+        texts = self._texts
+        if texts is None:
+            return self.add((token_id,))
+        if not self._tail:
             try:
-                text = self._texts[token_id]
-            except IndexError:  # past the tokenizer's vocab: add() drops it
+                text = texts[token_id]
+            except IndexError:  # past the tokenizer's vocab: decoded (as nothing) below
                 text = None
             if text is not None:
                 if text:
                     self._parts.append(text)
                 return text
-        return self.add((token_id,))
+        text = self._decode_bytes((token_id,))
+        if text:
+            self._parts.append(text)
+        return text
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Append generated tokens; return the newly released text (possibly "")."""

@@ -42,6 +42,9 @@ class StepStats:
     seconds: float = 0.0
 
 
+_NO_TOKEN_IDS = frozenset()
+
+
 class _Request:
     """A request's engine-side state: its sequence, detokenizer, and what the per-token stop check reads."""
     __slots__ = ("seq", "detokenizer", "stop_token_ids", "max_num_tokens", "wants_logprobs")
@@ -50,7 +53,7 @@ class _Request:
         self.seq = seq
         self.detokenizer = detokenizer
         params = seq.sampling_params
-        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else _NO_TOKEN_IDS
         self.max_num_tokens = min(seq.num_prompt_tokens + seq.max_tokens, max_model_len)  # "length" from here
         self.wants_logprobs = params.logprobs is not None
 

@@ -10,7 +10,8 @@ ScheduledSeq per sequence. It makes exactly the decisions the general path would
 from __future__ import annotations
 
 from collections import deque
-from operator import attrgetter, itemgetter
+from itertools import repeat
+from operator import attrgetter, ge, itemgetter, lt, mul, sub
 
 import numpy as np
 
@@ -24,65 +25,64 @@ _last = itemgetter(-1)
 
 
 class RunningRows:
-    """Block tables and prompt lengths of the running sequences, row i for scheduler.running[i]. A running
-    sequence's table only grows (blocks are appended), so a row is written only for new blocks."""
+    """Block tables of the running sequences as rows of one array (row i for scheduler.running[i]), with their
+    lengths and the sequences' prompt lengths as lists. A running sequence's table only grows (blocks are
+    appended), so a row is written only for new blocks."""
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.block_tables = np.zeros((max(max_rows, 1), max(max_blocks, 1)), dtype=np.int32)
-        self.num_blocks = np.zeros(max(max_rows, 1), dtype=np.int64)
-        self.num_prompt_tokens = np.zeros(max(max_rows, 1), dtype=np.int64)
-        self.size = 0
+        self.num_blocks: list[int] = []
+        self.num_prompt_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.num_blocks)
 
     def append(self, seq: Sequence) -> None:
-        if self.size == len(self.num_blocks):
-            self._grow(rows=2 * self.size)
-        row = self.size
-        self.size += 1
-        self.num_blocks[row] = 0
-        self.num_prompt_tokens[row] = seq.num_prompt_tokens
+        row = len(self.num_blocks)
+        if row == len(self.block_tables):
+            self._grow(2 * row, self.block_tables.shape[1])
+        self.num_blocks.append(0)
+        self.num_prompt_tokens.append(seq.num_prompt_tokens)
         self.sync_table(row, seq.block_table)
 
     def sync_table(self, row: int, table: list[int]) -> None:
         """Write the blocks appended to `table` since the row was last written."""
-        old, new = int(self.num_blocks[row]), len(table)
+        old, new = self.num_blocks[row], len(table)
         if new > self.block_tables.shape[1]:
-            self._grow(blocks=max(new, 2 * self.block_tables.shape[1]))
+            self._grow(len(self.block_tables), max(new, 2 * self.block_tables.shape[1]))
         self.block_tables[row, old:new] = table[old:]
         self.num_blocks[row] = new
 
     def remove(self, row: int) -> None:
         """Drop a row; the rows after it move up one, as the sequences after it in `running` do."""
-        end = self.size
-        for array in (self.block_tables, self.num_blocks, self.num_prompt_tokens):
-            array[row:end - 1] = array[row + 1:end]
-        self.size -= 1
-        self.block_tables[self.size] = 0
+        del self.num_blocks[row], self.num_prompt_tokens[row]
+        end = len(self.num_blocks)
+        self.block_tables[row:end] = self.block_tables[row + 1:end + 1]
+        self.block_tables[end] = 0  # columns past a row's length stay 0: they are the padding
 
     def pop(self) -> None:
-        self.size -= 1
-        self.block_tables[self.size] = 0
+        self.num_blocks.pop()
+        self.num_prompt_tokens.pop()
+        self.block_tables[len(self.num_blocks)] = 0
 
     def tables(self, num_rows: int) -> np.ndarray:
         """A copy of the first num_rows tables, as wide as the widest of them."""
-        width = int(self.num_blocks[:num_rows].max()) if num_rows else 0
+        width = max(self.num_blocks[:num_rows], default=0)
         return self.block_tables[:num_rows, :max(width, 1)].copy()
 
-    def _grow(self, rows: int | None = None, blocks: int | None = None) -> None:
-        rows = rows or len(self.num_blocks)
-        blocks = blocks or self.block_tables.shape[1]
+    def _grow(self, rows: int, blocks: int) -> None:
         tables = np.zeros((rows, blocks), dtype=np.int32)
-        tables[:len(self.num_blocks), :self.block_tables.shape[1]] = self.block_tables
+        tables[:len(self.block_tables), :self.block_tables.shape[1]] = self.block_tables
         self.block_tables = tables
-        self.num_blocks = np.resize(self.num_blocks, rows)
-        self.num_prompt_tokens = np.resize(self.num_prompt_tokens, rows)
 
     def check(self, running: list[Sequence]) -> None:
         """Assert the rows match the running sequences (a testing aid, O(rows x blocks))."""
-        assert self.size == len(running), (self.size, len(running))
+        assert len(self) == len(running) == len(self.num_prompt_tokens), (len(self), len(running))
         for row, seq in enumerate(running):
             n = len(seq.block_table)
             assert self.num_blocks[row] == n and self.num_prompt_tokens[row] == seq.num_prompt_tokens, seq
             assert self.block_tables[row, :n].tolist() == seq.block_table, (seq, self.block_tables[row, :n])
+            assert not self.block_tables[row, n:].any(), (seq, self.block_tables[row])  # zero padding
 
 
 class Scheduler:
@@ -191,27 +191,30 @@ class Scheduler:
         return plan
 
     def _schedule_decode(self) -> StepPlan | None:
-        """Every running sequence decodes its last token, over arrays; None (nothing changed) when the step is
-        not that: a prefill chunk to run, the token budget too small, or too few free blocks to grow the tables
-        (the general path then preempts)."""
+        """Every running sequence decodes its last token; None (nothing changed) when the step is not that:
+        a prefill chunk to run, the token budget too small, or too few free blocks to grow the tables (the
+        general path then preempts). The checks are C-level maps over the rows' lists, so a decode step costs
+        a few passes over the sequences and three numpy calls."""
         running, rows, block_manager = self.running, self.rows, self.block_manager
         n = len(running)
         if n == 0 or n > self.max_num_batched_tokens:
             return None
+        positions = list(map(_num_computed_tokens, running))
         token_ids = list(map(_token_ids, running))
-        positions = np.fromiter(map(_num_computed_tokens, running), np.int64, n)
-        num_tokens = np.fromiter(map(len, token_ids), np.int64, n)
-        if not (np.array_equal(positions + 1, num_tokens) and (positions >= rows.num_prompt_tokens[:n]).all()):
+        if (list(map(sub, map(len, token_ids), positions)).count(1) != n  # one token to compute each...
+                or any(map(lt, positions, rows.num_prompt_tokens))):  # ...and it is not a prompt token
             return None
-        growing = np.flatnonzero(positions >= rows.num_blocks[:n] * self.block_size).tolist()
-        if not block_manager.can_allocate(len(growing)):
-            return None
-        for row in growing:  # in running order, as the general path allocates
-            seq = running[row]
-            block_manager.allocate(seq, 1)
-            rows.sync_table(row, seq.block_table)
+        full = list(map(ge, positions, map(mul, rows.num_blocks, repeat(self.block_size))))  # needs a new block
+        if True in full:
+            growing = [row for row, grows in enumerate(full) if grows]
+            if not block_manager.can_allocate(len(growing)):
+                return None
+            for row in growing:  # in running order, as the general path allocates
+                seq = running[row]
+                block_manager.allocate(seq, 1)
+                rows.sync_table(row, seq.block_table)
         input_ids = np.fromiter(map(_last, token_ids), np.int64, n)
-        return StepPlan(decode=DecodeBatch(list(running), positions, input_ids, rows.tables(n)))
+        return StepPlan(decode=DecodeBatch(list(running), np.array(positions, np.int64), input_ids, rows.tables(n)))
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         running, scheduled, block_size = self.running, plan.scheduled, self.block_size
@@ -299,17 +302,15 @@ class Scheduler:
                 block_manager.cache_full_blocks(seq)
 
     def _postprocess_decode(self, decode: DecodeBatch) -> None:
-        """postprocess for a decode batch: one computed token per sequence, and the sequences whose last
-        block just became full get it hashed. No prompt token is computed by a decode."""
-        running = SequenceStatus.RUNNING
-        ends = decode.positions + 1
-        for seq, end in zip(decode.seqs, ends.tolist()):
+        """postprocess for a decode batch: one more computed token per sequence, and a sequence whose block
+        just became full gets it hashed. (Plain Python on purpose: after the forward and the sampler the
+        caches are cold, and a few numpy calls would cost more than this loop.)"""
+        running, block_size = SequenceStatus.RUNNING, self.block_size
+        cache_blocks = self.block_manager.enable_prefix_caching
+        for seq in decode.seqs:
             if seq.status is running:  # else aborted between schedule() and now: its blocks are gone
-                seq.num_computed_tokens = end
-        if self.block_manager.enable_prefix_caching:
-            for row in np.flatnonzero(ends % self.block_size == 0).tolist():
-                seq = decode.seqs[row]
-                if seq.status is running:
+                end = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                if cache_blocks and end % block_size == 0:
                     self.block_manager.cache_full_blocks(seq)
 
     def check_rows(self) -> None:

@@ -167,26 +167,34 @@ class Sampler:
                 rows, token_ids = meta.banned
                 in_vocab = token_ids < logits.shape[1]  # an out-of-vocab stop_token_id can never be sampled
                 logits[rows[in_vocab], token_ids[in_vocab]] = float("-inf")
+        top = _finite_row_max(logits)
+        shifted = logits - top  # the row max becomes 0: exp never overflows
+        weights = shifted.exp()  # unnormalized probabilities at temperature 1
+        log_norm = weights.sum(dim=-1).log_().add_(top.squeeze(1))  # logsumexp(logits)
         if meta.all_greedy:
             token_ids = argmax(logits)
         else:
-            token_ids = self._sample(logits, meta)
-        log_norm = logsumexp(logits)
-        sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1) - log_norm
+            token_ids = self._sample(logits, shifted, weights, meta)
+        sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).sub_(log_norm)
         token_list = token_ids.tolist()
         logprob_list = sampled_logprobs.tolist()
         top = _top_logprobs(logits, log_norm, token_list, logprob_list, meta)
         return SamplerOutput(token_list, logprob_list, top)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        temperatures = meta.temperatures
-        scaled = logits if _is_one(temperatures) else logits / temperatures
+    def _sample(self, logits: torch.Tensor, shifted: torch.Tensor, weights: torch.Tensor,
+                meta: SamplingMetadata) -> torch.Tensor:
+        """Sampled token ids [N]. shifted = logits - row max and weights = exp(shifted) are scratch: both are
+        overwritten here. Temperature and the filters act on shifted logits (the same distributions)."""
+        scaled = shifted
+        if not _is_one(meta.temperatures):
+            scaled = shifted.div_(meta.temperatures)  # the row max stays 0
         if meta.top_ks is not None or meta.top_ps is not None:
             scaled = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps)
         if meta.log_min_ps is not None:
             scaled = apply_min_p(scaled, meta.log_min_ps)
         if len(meta.seeded) < meta.num_rows:
-            weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()  # unnormalized probabilities
+            if scaled is not shifted or not _is_one(meta.temperatures):  # weights are exp(logits - max) still
+                weights = torch.exp(scaled, out=weights)
             uniforms = torch.rand((meta.num_rows, 1), generator=self._generator(
                 self._generators, logits.device, self.seed), device=logits.device)
             sampled = sample_inverse_cdf(weights, uniforms)
@@ -240,11 +248,9 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
     return values.argmax(dim=-1)
 
 
-def logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """torch.logsumexp over the last dim of finite-max rows, in fewer passes (max, exp, sum)."""
-    top = logits.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, 0.0)
-    return (logits - top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+def _finite_row_max(logits: torch.Tensor) -> torch.Tensor:
+    """Row max [N, 1], 0 where it is not finite (so a row of -inf gives logsumexp -inf, as torch's does)."""
+    return logits.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: Scalar | torch.Tensor | None,

@@ -18,14 +18,14 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, attention_backend: str):
+    def __init__(self, config, attention_backend: str, rotary_emb: RotaryEmbedding):
         super().__init__()
         head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by every layer
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, attention_backend)
@@ -65,9 +65,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, attention_backend: str, attention_cls: type[LlamaAttention]):
+    def __init__(self, config, attention_backend: str, attention_cls: type[LlamaAttention],
+                 rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = attention_cls(config, attention_backend)
+        self.self_attn = attention_cls(config, attention_backend, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -86,7 +87,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, attention_backend: str, attention_cls: type[LlamaAttention]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_backend, attention_cls)
+        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_backend, attention_cls, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
