@@ -5,9 +5,11 @@ timed by wrapping the model's `forward`; on CUDA the forward timer synchronizes,
 the CPU work around it (scheduling, input preparation, sampling, stop checks, detokenization).
 
 Each figure is the median over the timed steps, in wall time and in this process's CPU time (the CPU figure
-hardly moves when other processes share the machine, the wall one does). `--phases` splits a step into
+leaves out time the process waits for a core on a shared machine). `--phases` splits a step into
 schedule / prepare (batch arrays + tensors) / forward / lm_head / sampling metadata / sampler / postprocess /
-outputs (appending tokens, stop checks, detokenization, RequestOutputs: the rest of step()).
+outputs (appending tokens, stop checks, detokenization, RequestOutputs: the rest of step()), and also reports
+the overhead without lm_head and the sampler, the parts that are device work on a GPU (on CPU they are
+tensor math over [N, vocab]). Medians of phases need not add up to the median of the whole.
 
     OMP_NUM_THREADS=1 python client/bench_host_overhead.py --num-seqs 64 256 --phases
 """
@@ -94,6 +96,8 @@ def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bo
             row[phase + "_cpu"] = after[1].get(phase, 0.0) - before[1].get(phase, 0.0)
         row["overhead"] = wall - row["forward"]
         row["overhead_cpu"] = cpu - row["forward_cpu"]
+        row["host"] = row["overhead"] - row["lm_head"] - row["sampler"]
+        row["host_cpu"] = row["overhead_cpu"] - row["lm_head_cpu"] - row["sampler_cpu"]
         row["outputs"] = wall - sum(row[p] for p in PHASES)
         row["outputs_cpu"] = cpu - sum(row[p + "_cpu"] for p in PHASES)
         rows.append(row)
@@ -127,6 +131,8 @@ def main() -> None:
             print("    phase  " + " ".join(f"{p:>13s}" for p in names))
             print("    wall   " + " ".join(f"{r[p]:13.0f}" for p in names))
             print("    cpu    " + " ".join(f"{r[p + '_cpu']:13.0f}" for p in names))
+            print(f"    host overhead without lm_head and sampler (device work on a GPU): {r['host']:6.0f} us  "
+                  f"(cpu time: {r['host_cpu']:6.0f} us)")
 
 
 if __name__ == "__main__":

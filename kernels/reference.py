@@ -51,9 +51,10 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
     num_blocks = -(-max_len // block_size)
-    tables = block_tables[:, :num_blocks].long().clamp(min=0)
-    k = k_cache[tables].flatten(1, 2)[:, :max_len]  # [batch, max_len, kv_heads, head_dim]
-    v = v_cache[tables].flatten(1, 2)[:, :max_len]
+    tables = block_tables[:, :num_blocks].long().clamp(min=0).flatten()
+    # index_select copies whole blocks: ~2x faster on CPU than advanced indexing with a 2-D index
+    k = k_cache.index_select(0, tables).view(len(q), -1, *k_cache.shape[2:])[:, :max_len]
+    v = v_cache.index_select(0, tables).view(len(q), -1, *v_cache.shape[2:])[:, :max_len]
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [batch, max_len]
     return _sdpa(q.unsqueeze(1), k, v, mask[:, None, None, :], scale)[:, 0]
 
@@ -61,8 +62,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def _gather_context(k_cache, v_cache, block_table, ctx):
     block_size = k_cache.shape[1]
     blocks = block_table[:-(-ctx // block_size)].long()
-    k = k_cache[blocks].flatten(0, 1)[:ctx]
-    v = v_cache[blocks].flatten(0, 1)[:ctx]
+    k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
+    v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
     return k, v
 
 

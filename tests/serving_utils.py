@@ -10,36 +10,33 @@ import signal
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from nanoserve.serving.launcher import SHM_DIR, TritonServer, free_ports, make_model_repository
+from triton_server import assert_nothing_left, running_server, tiny_repository
 
 TIMEOUT = 120
+BACKEND_MODEL = Path(__file__).resolve().parents[1] / "backend" / "model.py"
 
 
 @contextlib.contextmanager
-def triton(tmp_dir, checkpoint, models, **engine_args):
+def triton(tmp_dir, checkpoint, models, plain_python=(), **engine_args):
     """A tritonserver serving `models` of the repo's model_repository/ template, pointed at checkpoint. On exit
-    it checks that SIGTERM shut the server down cleanly (every FINAL sent, stubs gone, no shared memory left)."""
-    repo = make_model_repository(tmp_dir / "model_repository", checkpoint, **engine_args)
-    for model_dir in repo.iterdir():
-        if model_dir.name not in models:
-            shutil.rmtree(model_dir)
-    http, grpc, metrics = free_ports(3)
-    server = TritonServer(repo, http, grpc, metrics, log_file=tmp_dir / "tritonserver.log", exit_timeout_secs=30)
-    try:
-        server.start()
-        server.wait_ready(TIMEOUT, models=models)
+    it checks that SIGTERM shut the server down cleanly (every FINAL sent, stubs gone, no shared memory left).
+    plain_python: models switched to the documented `backend: "python"` form (backend/model.py copied in)."""
+    repo = tiny_repository(tmp_dir / "model_repository", checkpoint, models, **engine_args)
+    for name in plain_python:
+        config = repo / name / "config.pbtxt"
+        config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
+        shutil.copy(BACKEND_MODEL, repo / name / "1" / "model.py")
+    with running_server(repo, tmp_dir, models, exit_timeout_secs=30) as server:
         yield server
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(60)
-        left = sorted(p.name for p in SHM_DIR.glob(server.shm_prefix + "*"))
         assert code == 0, f"tritonserver exited with {code}:\n{server.log_tail()}"
-        assert not left, f"shared memory left behind: {left}"
-    finally:
-        server.stop(timeout=10)  # kills the process group and removes shm, also after a failure
+        assert_nothing_left(server)
 
 
 # ---- gRPC streaming ---------------------------------------------------------------------------------------
@@ -134,7 +131,8 @@ def sse_events(body: bytes) -> list[dict]:
 
 
 def is_ready(server) -> bool:
-    return server._http_ok("/v2/health/ready")
+    with urllib.request.urlopen(f"http://{server.url_http}/v2/health/ready", timeout=10) as response:
+        return response.status == 200
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------

@@ -350,3 +350,69 @@ def test_decodes_only_a_short_window(name):
     assert text == tokenizer.decode(ids)
     lengths = counting.backend_tokenizer.lengths
     assert max(lengths) <= MAX_WINDOW + 2 and len(lengths) < 1.2 * len(ids)
+
+
+# ---- add_token: the engine's one-token-per-step call -----------------------------------------------------
+
+def stream_add_token(tokenizer, ids, prompt=(1, 2, 3), **kwargs):
+    """Feed ids one at a time through add_token, next to a twin fed through add([id]): same deltas each step."""
+    fast = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+    slow = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+    deltas = []
+    for token_id in ids:
+        delta = fast.add_token(token_id)
+        assert delta == slow.add([token_id])
+        assert fast.stop_matched == slow.stop_matched and fast.text == slow.text
+        deltas.append(delta)
+        if fast.stop_matched is not None:
+            break
+    deltas.append(fast.flush())
+    assert deltas[-1] == slow.flush() and fast.text == slow.text
+    assert fast.add_token(ids[0] if ids else 0) == "" and fast.text == slow.text  # finished: nothing more
+    return fast, deltas
+
+
+def test_add_token_uses_a_whole_character_table_only_for_byte_level_without_stops():
+    assert IncrementalDetokenizer(byte_level(), [])._texts is not None
+    assert IncrementalDetokenizer(byte_level(), [], stop=["x"])._texts is None
+    for name in ("byte_level_window", "unigram_metaspace", "bpe_byte_fallback"):
+        assert IncrementalDetokenizer(TOKENIZERS[name](), [])._texts is None
+
+
+@given(name=tokenizer_names, data=st.data())
+@SETTINGS
+def test_add_token_matches_add_for_any_ids(name, data):
+    """Arbitrary ids (lone bytes, specials, ids past the tokenizer's vocab), with and without stop strings."""
+    tokenizer = TOKENIZERS[name]()
+    ids = data.draw(st.lists(st.integers(0, len(tokenizer) + 3), max_size=40))
+    skip = data.draw(st.booleans())
+    stop = data.draw(st.sampled_from([(), ("e",), ("the", "\ufffd")]))
+    _, deltas = stream_add_token(tokenizer, ids, skip_special_tokens=skip, stop=list(stop))
+    if not stop:
+        expected = tokenizer.decode([t for t in ids if t < len(tokenizer)], skip_special_tokens=skip)
+        assert "".join(deltas) == expected
+
+
+@given(pieces=st.lists(st.sampled_from(TRICKY_UTF8 + [b"a", b" ", "é你🎉".encode()]), max_size=12))
+@SETTINGS
+def test_add_token_on_split_and_invalid_utf8(pieces):
+    tokenizer = byte_level()
+    ids = byte_token_ids(tokenizer, b"".join(pieces))
+    _, deltas = stream_add_token(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_add_token_streams_text_with_continue_prompt(name):
+    tokenizer = TOKENIZERS[name]()
+    prompt = tokenizer.encode("The license", add_special_tokens=False)
+    ids = tokenizer.encode(" says 你好 🎉 and more", add_special_tokens=False)
+    stream_add_token(tokenizer, ids, prompt=prompt, continue_prompt=True)
+
+
+def test_add_token_completes_a_character_begun_in_the_prompt():
+    tokenizer = byte_level()
+    prompt = tokenizer.encode("ab", add_special_tokens=False) + byte_token_ids(tokenizer, "你".encode()[:2])
+    ids = byte_token_ids(tokenizer, "你".encode()[2:]) + tokenizer.encode(" ok", add_special_tokens=False)
+    detok, deltas = stream_add_token(tokenizer, ids, prompt=prompt, continue_prompt=True)
+    assert deltas[0] == "你" and detok.text == "你 ok"

@@ -1,6 +1,8 @@
 """/metrics of a real tritonserver against the traffic sent and the offline engine's own counters. The KV pool
-is small (16 blocks of 8 tokens) so that concurrent requests preempt each other."""
+is small (16 blocks of 8 tokens) so that concurrent requests preempt each other. The model runs in the plain
+`backend: "python"` form (backend/model.py copied into the model), the alternative to the nanoserve backend."""
 import threading
+import time
 
 import pytest
 from serving_utils import metrics, stream, triton
@@ -17,15 +19,14 @@ PROMPTS = ["The licence grants you the right to", "naïve café — 你好", "de
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    with triton(tmp_path_factory.mktemp("metrics"), qwen3_dir, [MODEL], **ENGINE_ARGS) as server:
+    with triton(tmp_path_factory.mktemp("metrics"), qwen3_dir, [MODEL], plain_python=[MODEL], **ENGINE_ARGS) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    llm = LLM(qwen3_dir, **ENGINE_ARGS)
-    yield llm
-    llm.shutdown()
+    with LLM(qwen3_dir, **ENGINE_ARGS) as llm:
+        yield llm
 
 
 def delta(after: dict, before: dict, name: str) -> float:
@@ -49,32 +50,42 @@ def test_prefix_cache_hit_rate_and_pool_gauges_match_the_engine(server, llm):
 
 
 def test_counters_and_histograms_match_the_traffic(server, llm):
+    # The first request (13 blocks at its end) is running when the others (5 blocks each) arrive: 16 blocks
+    # cannot hold them all, so the scheduler preempts.
+    max_tokens = [96, M, M, M]
+    params = [SamplingParams(**{**GREEDY, "max_tokens": n}) for n in max_tokens]
     before = metrics(server, MODEL)
     results = [None] * len(PROMPTS)
 
     def run(i):
-        results[i] = stream(server, MODEL, text_input=PROMPTS[i], stream=True, sampling_parameters=GREEDY)
+        results[i] = stream(server, MODEL, text_input=PROMPTS[i], stream=True,
+                            sampling_parameters={**GREEDY, "max_tokens": max_tokens[i]})
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 30
+    while metrics(server, MODEL)["nanoserve_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    others = [threading.Thread(target=run, args=(i,)) for i in range(1, len(PROMPTS))]
+    for t in others:
         t.start()
-    for t in threads:
+    for t in [first, *others]:
         t.join(120)
-    expected = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    expected = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [r.text for r in results] == [e.text for e in expected]  # preemption recomputes exactly
 
     after = metrics(server, MODEL)
-    k, prompt_tokens = len(PROMPTS), sum(e.num_prompt_tokens for e in expected)
-    assert delta(after, before, "nanoserve_generation_tokens_total") == k * M
+    k, prompt_tokens, generated = len(PROMPTS), sum(e.num_prompt_tokens for e in expected), sum(max_tokens)
+    assert delta(after, before, "nanoserve_generation_tokens_total") == generated
     assert delta(after, before, "nanoserve_prompt_tokens_total") == prompt_tokens
     assert delta(after, before, "nanoserve_requests_finished_total{reason=length}") == k
     assert delta(after, before, "nanoserve_requests_finished_total{reason=stop}") == 0
-    assert delta(after, before, "nanoserve_preemptions_total") > 0  # 4 x 5 blocks > 16 blocks
+    assert delta(after, before, "nanoserve_preemptions_total") > 0
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "prompt_length_tokens",
                  "generation_length_tokens"):
         assert delta(after, before, f"nanoserve_{name}_count") == k
         assert after[f"nanoserve_{name}_bucket{{le=+Inf}}"] == after[f"nanoserve_{name}_count"]
-    assert delta(after, before, "nanoserve_inter_token_latency_seconds_count") == k * (M - 1)
+    assert delta(after, before, "nanoserve_inter_token_latency_seconds_count") == generated - k
     assert delta(after, before, "nanoserve_prompt_length_tokens_sum") == prompt_tokens
-    assert delta(after, before, "nanoserve_generation_length_tokens_sum") == k * M
+    assert delta(after, before, "nanoserve_generation_length_tokens_sum") == generated
     assert after["nanoserve_kv_blocks_used"] == 0 and after["nanoserve_requests_running"] == 0

@@ -15,6 +15,7 @@ from nanoserve.engine.cuda_graph import CUDAGraphRunner, decode_buckets, fits_gr
 from nanoserve.engine.model_runner import BlockTableCache, ModelRunner, build_step_batch
 from nanoserve.engine.plan import ScheduledSeq, StepPlan
 from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.sampler import SamplingMetadata
 from nanoserve.sampling_params import SamplingParams
 
 ARCHS = ("qwen3", "qwen2", "llama")
@@ -301,3 +302,49 @@ def test_warmup_forward_at_the_largest_batch(tiny_models):
 def test_flash_attn_needs_big_blocks(tiny_models):
     with pytest.raises(ValueError, match="multiple of 256"):
         make_runner(tiny_models["qwen3"], attention_backend="flash_attn", block_size=16)
+
+
+# ---- decode fast path: a scheduler-made decode plan ----
+def test_decode_batch_from_arrays_equals_the_general_build():
+    from types import SimpleNamespace
+
+    from nanoserve.engine.block_manager import BlockManager
+    from nanoserve.engine.scheduler import Scheduler
+
+    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, kvcache_block_size=4,
+                             enable_prefix_caching=True)
+    scheduler = Scheduler(config, BlockManager(200, 4))
+    seqs = [make_seq(f"d{i}", random_ids(n, seed=60 + i)) for i, n in enumerate((1, 3, 4, 9, 16, 2))]
+    for seq in seqs:
+        scheduler.add(seq)
+    decode_plans = 0
+    for step in range(12):  # tables grow past several block boundaries
+        plan = scheduler.schedule()
+        fast = build_step_batch(plan, 4, BlockTableCache(16, 8))
+        general = build_step_batch(StepPlan(list(plan.scheduled)), 4, BlockTableCache(16, 8))
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+                     "sample_rows"):
+            a, b = getattr(fast, name), getattr(general, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (step, name, a, b)
+        assert (fast.max_query_len, fast.max_seq_len) == (general.max_query_len, general.max_seq_len)
+        decode_plans += plan.decode is not None
+        scheduler.postprocess(plan)
+        for seq in plan.sampling_seqs:
+            seq.append_token(7 + step)
+    assert decode_plans == 11
+
+
+def test_sampling_metadata_is_reused_for_the_same_sequences(tiny_models):
+    runner = make_runner(tiny_models["qwen3"])
+    seqs = [Sequence(f"m{i}", [1, 2, 3], SamplingParams(temperature=0.5, top_k=4), max_tokens=8) for i in range(3)]
+    meta = runner.sampling_metadata(seqs)
+    assert runner.sampling_metadata(list(seqs)) is meta  # same sequences, nothing step-dependent: reused
+    assert runner.sampling_metadata(seqs[:2]) is not meta  # a sequence left: rebuilt
+    runner.eos_token_id = [2, 5]
+    assert runner.sampling_metadata(seqs[:2]).eos_token_id == [2, 5]  # the EOS ids changed: rebuilt
+    seeded = [Sequence("s", [1, 2], SamplingParams(temperature=0.5, seed=3), max_tokens=8)]
+    first = runner.sampling_metadata(seeded)
+    seeded[0].append_token(9)
+    second = runner.sampling_metadata(seeded)  # the seeded row's step seed follows its tokens
+    assert second.seeded != first.seeded and second.seeded == SamplingMetadata.from_seqs(seeded, [2, 5]).seeded
+    runner.shutdown()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.sampler import Sampler, SamplingMetadata, step_seed
+from nanoserve.layers.sampler import (Sampler, SamplingMetadata, apply_top_k_top_p, argmax, sample_inverse_cdf,
+                                     step_seed)
 from nanoserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -319,3 +320,99 @@ def test_uniform_parameters_become_scalars_and_mixed_ones_tensors():
     meta = SamplingMetadata.from_seqs(mixed, EOS, "cpu")
     assert meta.greedy.tolist() == [True, False]
     assert meta.temperatures.view(-1).tolist() == [1.0, 0.5] and meta.top_ks.view(-1).tolist()[0] == 2
+
+
+# ---- inverse CDF (unseeded rows) -------------------------------------------------------------------------
+
+def test_inverse_cdf_never_draws_a_zero_weight_token_even_at_the_edges():
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0],
+                            [5.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                            [0.0, 0.0, 0.0, 0.0, 0.0, 1e-30],
+                            [1e-30, 3.0, 0.0, 1e-30, 0.0, 0.0]])
+    top = 1.0 - 2.0 ** -24  # the largest float32 below 1: u * total may round up to the total
+    for u in (0.0, 1e-9, 0.5, top, 1.0):  # 1.0 is outside [0, 1), still clamped to a drawable token
+        token_ids = sample_inverse_cdf(weights, torch.full((4, 1), u)).tolist()
+        for row, token in enumerate(token_ids):
+            assert weights[row, token] > 0, (u, row, token)
+    # the last token whose weight still moves the float32 running sum (3 + 1e-30 == 3)
+    assert sample_inverse_cdf(weights, torch.full((4, 1), top)).tolist() == [3, 0, 5, 1]
+    assert sample_inverse_cdf(weights, torch.zeros(4, 1)).tolist() == [1, 0, 5, 0]
+
+
+def test_inverse_cdf_frequencies_match_the_weights():
+    weights = torch.tensor([[3.0, 0.0, 1.0, 0.5, 0.0, 2.5]])
+    total = 20000
+    uniforms = torch.rand(total, 1, generator=torch.Generator().manual_seed(13))
+    token_ids = sample_inverse_cdf(weights.repeat(total, 1), uniforms).tolist()
+    counts = {t: token_ids.count(t) for t in set(token_ids)}
+    assert set(counts) == {0, 2, 3, 5}
+    assert chi_square(counts, (weights[0] / weights.sum()).tolist(), total) < 16.3  # 3 dof, 0.1%
+
+
+def test_argmax_is_torch_argmax_including_ties():
+    values = torch.tensor([[1.0, 3.0, 3.0, 0.0], [-1.0, -1.0, -2.0, -1.0], [float("-inf"), 0.0, 0.0, 7.0]])
+    assert argmax(values).tolist() == values.argmax(dim=-1).tolist() == [1, 0, 3]
+    big = random_logits(64, 1000, seed=14)
+    assert torch.equal(argmax(big), big.argmax(dim=-1))
+
+
+def test_sampled_logprobs_with_masked_tokens_are_log_softmax():
+    """min_tokens puts -inf into the logits: the normalizer must still be the log-sum-exp over the rest."""
+    logits = random_logits(3, 20, seed=15)
+    seqs = [make_seq(min_tokens=2, stop_token_ids=[4, 9], temperature=t, request_id=str(i))
+            for i, t in enumerate([0.0, 0.7, 1.0])]
+    out = sample(logits, seqs)
+    for row in range(3):
+        masked = logits[row].tolist()
+        for token in (EOS, 4, 9):
+            masked[token] = float("-inf")
+        reference = log_softmax([v for v in masked if v != float("-inf")])
+        kept = [t for t, v in enumerate(masked) if v != float("-inf")]
+        token = out.token_ids[row]
+        assert token in kept
+        assert out.sampled_logprobs[row] == pytest.approx(reference[kept.index(token)], abs=1e-5)
+
+
+# ---- metadata reuse across decode steps ------------------------------------------------------------------
+
+def test_refresh_equals_a_fresh_build_one_step_later():
+    seqs = [make_seq(output=[3], temperature=0.9, seed=5, request_id="seeded"),
+            make_seq(output=[3, 3], repetition_penalty=1.2, frequency_penalty=0.3, request_id="penalized"),
+            make_seq(output=[], min_tokens=2, stop_token_ids=[7], request_id="min_tokens"),
+            make_seq(temperature=0.0, logprobs=2, request_id="greedy")]
+    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    for seq in seqs:
+        seq.append_token(8)
+    refreshed, fresh = meta.refresh(seqs), SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    assert refreshed is not meta and refreshed.seeded == fresh.seeded != meta.seeded
+    assert torch.equal(refreshed.penalties.output_ids, fresh.penalties.output_ids)
+    assert torch.equal(refreshed.banned[1], fresh.banned[1]) and refreshed.logprobs == fresh.logprobs == [(3, 2)]
+    logits = random_logits(4, 12, seed=16)
+    assert Sampler(1)(logits, refreshed) == Sampler(1)(logits, fresh)
+    seqs[2].append_token(8)  # min_tokens reached: nothing banned any more
+    assert meta.refresh(seqs).banned is None and SamplingMetadata.from_seqs(seqs, EOS, "cpu").banned is None
+
+
+def test_refresh_reuses_metadata_that_does_not_follow_the_tokens():
+    seqs = [make_seq(temperature=0.8, top_k=5, logprobs=1, request_id=str(i)) for i in range(3)]
+    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    assert not meta.is_step_dependent and meta.refresh(seqs) is meta
+
+
+def test_top_k_candidates_give_the_same_filter_as_a_full_sort():
+    logits = (random_logits(6, 200, seed=17) * 2).round() / 2  # coarse values: many ties at the cut
+    logits[1, :150] = float("-inf")  # fewer finite logits than k
+    top_ks = torch.tensor([[1], [60], [7], [25], [3], [40]])
+    top_ps = torch.tensor([[1.0], [0.5], [0.9], [math.inf], [0.3], [0.99]])
+    for ps in (None, top_ps):
+        full = apply_top_k_top_p(logits, top_ks, ps)
+        assert torch.equal(apply_top_k_top_p(logits, top_ks, ps, max_top_k=60), full)
+    assert torch.equal(apply_top_k_top_p(logits, 5, 0.8, max_top_k=5), apply_top_k_top_p(logits, 5, 0.8))
+
+
+def test_max_top_k_only_when_every_sampled_row_sets_top_k():
+    def meta(*params):
+        return SamplingMetadata.from_seqs([make_seq(request_id=str(i), **p) for i, p in enumerate(params)], EOS)
+    assert meta(dict(top_k=5), dict(top_k=20)).max_top_k == 20
+    assert meta(dict(top_k=5), dict(top_k=-1)).max_top_k is None
+    assert meta(dict(top_k=5), dict(top_k=-1, temperature=0.0)).max_top_k == 5  # a greedy row ignores filters

@@ -233,3 +233,111 @@ def test_admission_errors_name_the_field():
         scheduler.check_admissible(40, 1)
     scheduler.check_admissible(20, 12)  # exactly 8 blocks: fits
     scheduler.check_admissible(1, 1)
+
+
+# ---------------------------------------------------------------- decode fast path
+
+class GeneralPathScheduler(Scheduler):
+    """The scheduler with its decode fast path turned off: the reference the fast path must agree with."""
+
+    def _schedule_decode(self):
+        return None
+
+
+def test_decode_steps_use_the_fast_path_and_describe_the_same_work():
+    scheduler = make_scheduler(block_size=4)
+    seqs = [add(scheduler, f"r{i}", range(i, i + 3 + i), max_tokens=10) for i in range(3)]
+    assert step(scheduler).decode is None  # prefill
+    plan = step(scheduler)
+    assert plan.decode is not None and plan.is_decode_only and plan.num_prefill_tokens == 0
+    assert plan.num_batched_tokens == plan.num_seqs == 3 and bool(plan)
+    assert plan.sampling_seqs == seqs == [s.seq for s in plan.scheduled]
+    assert rows(plan) == [(s.request_id, s.num_tokens - 2, 1) for s in seqs]  # tokens were appended since
+    assert plan.decode.input_ids.tolist() == [s.token_ids[-2] for s in seqs]
+    assert plan.decode.block_tables.tolist() == [s.block_table + [0] * (2 - len(s.block_table)) for s in seqs]
+
+
+def test_the_last_prompt_token_left_by_a_chunk_is_not_a_decode():
+    scheduler = make_scheduler(budget=5)
+    seq = add(scheduler, "p", range(6), max_tokens=3)
+    assert rows(step(scheduler)) == [("p", 0, 5)]
+    plan = step(scheduler)  # one prompt token left: a one-token step, but a prefill
+    assert plan.decode is None and rows(plan) == [("p", 5, 1)] and plan.sampled == ["p"]
+    assert plan.num_prefill_tokens == 1 and scheduler.prompt_tokens_computed == 6
+    assert step(scheduler).decode is not None and seq.num_output_tokens == 2
+
+
+def test_admission_next_to_decodes_leaves_the_fast_path():
+    scheduler = make_scheduler(budget=8)
+    add(scheduler, "a", range(3), max_tokens=10)
+    step(scheduler)
+    add(scheduler, "b", range(10, 14), max_tokens=3)
+    plan = step(scheduler)
+    assert plan.decode is None and rows(plan) == [("a", 3, 1), ("b", 0, 4)]
+
+
+def lockstep_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
+                      prefix_caching: bool, steps: int = 120):
+    """Drive a fast-path scheduler and a general-path one with the same random requests, aborts and tokens;
+    every plan, preemption, block table and counter must be the same."""
+    import random
+
+    rng = random.Random(seed)
+    config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, budget=budget,
+                  max_model_len=64, prefix_caching=prefix_caching)
+    fast = make_scheduler(**config)
+    slow = make_scheduler(**config)
+    slow.__class__ = GeneralPathScheduler
+    used_fast_path = 0
+    for i in range(steps):
+        if rng.random() < 0.25:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+            max_tokens = rng.randrange(1, 20)
+            try:
+                fast.check_admissible(len(prompt), max_tokens)
+            except ValueError:
+                continue
+            for scheduler in (fast, slow):
+                add(scheduler, f"r{i}", prompt, max_tokens)
+        if rng.random() < 0.05 and fast.running:
+            victim = rng.choice(fast.running).request_id
+            assert fast.abort(victim).request_id == slow.abort(victim).request_id
+        if not fast.has_unfinished():
+            continue
+        next_token = rng.randrange(3)
+        plan_fast, plan_slow = step(fast, next_token), step(slow, next_token)
+        used_fast_path += plan_fast.decode is not None
+        assert plan_slow.decode is None
+        assert rows(plan_fast) == rows(plan_slow) and plan_fast.sampled == plan_slow.sampled
+        assert [s.request_id for s in plan_fast.preempted] == [s.request_id for s in plan_slow.preempted]
+        assert plan_fast.num_prefill_tokens == plan_slow.num_prefill_tokens
+        assert [s.block_table for s in fast.running] == [s.block_table for s in slow.running]
+        assert [s.request_id for s in fast.waiting] == [s.request_id for s in slow.waiting]
+        assert list(fast.block_manager.free_block_ids) == list(slow.block_manager.free_block_ids)
+        assert (fast.num_preemptions, fast.prompt_tokens_computed, fast.prefix_cache_hit_tokens) == \
+            (slow.num_preemptions, slow.prompt_tokens_computed, slow.prefix_cache_hit_tokens)
+        fast.check_rows()
+        fast.block_manager.check_invariants(fast.running)
+    return used_fast_path
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_decode_fast_path_agrees_with_the_general_path(seed):
+    # small pools preempt, small budgets chunk prefills and limit decodes, big ones decode many at once
+    num_blocks, block_size, max_num_seqs, budget = [(12, 2, 4, 6), (40, 4, 8, 64), (20, 1, 6, 5),
+                                                    (64, 8, 16, 32)][seed % 4]
+    used = lockstep_workload(seed, num_blocks, block_size, max_num_seqs, budget, prefix_caching=seed % 3 != 0)
+    assert used > 0
+
+
+def test_aborted_between_schedule_and_postprocess_of_a_decode_step_is_skipped():
+    scheduler = make_scheduler(block_size=2)
+    a, b = add(scheduler, "a", range(3), max_tokens=8), add(scheduler, "b", range(4), max_tokens=8)
+    step(scheduler)
+    plan = scheduler.schedule()
+    assert plan.decode is not None
+    scheduler.abort("a")
+    scheduler.postprocess(plan)
+    assert a.num_computed_tokens == 0 and a.block_table == [] and b.num_computed_tokens == 5
+    scheduler.check_rows()
+    scheduler.block_manager.check_invariants(scheduler.running)

@@ -21,23 +21,25 @@ N = 24
 def server(qwen3_dir, tmp_path_factory):
     with triton(tmp_path_factory.mktemp("serving"), qwen3_dir, [MODEL], **ENGINE_ARGS) as server:
         yield server
-        # SIGTERM with a request in flight: tritonserver drains it (it keeps the model until the FINAL).
+        # SIGTERM (on leaving the with) with a request in flight: tritonserver drains it before it unloads the
+        # model; the client must close its stream after the FINAL for the server to exit.
+        drained = {}
         client, events = open_stream(server, MODEL, text_input=PROMPTS[0], stream=True, return_finish_reason=True,
                                      sampling_parameters={"max_tokens": 200, "ignore_eos": True})
         assert events.get(timeout=60)[1] is None
-    drained = collect(events, timeout=1)
+        reader = threading.Thread(target=lambda: (drained.update(out=collect(events)), client.stop_stream()))
+        reader.start()
+    reader.join(60)
     client.close()
-    assert drained.error is None and drained.responses[-1]["finish_reason"].tolist() == [b"length"]
+    assert drained["out"].error is None and drained["out"].responses[-1]["finish_reason"].tolist() == [b"length"]
 
 
 @pytest.fixture(scope="module")
 def offline(qwen3_dir):
     """Greedy text of each prompt, from nanoserve.LLM in this process: the reference."""
-    llm = LLM(qwen3_dir, **ENGINE_ARGS)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0),
-                           use_tqdm=False)
-    yield dict(zip(PROMPTS, outputs))
-    llm.shutdown()
+    with LLM(qwen3_dir, **ENGINE_ARGS) as llm:
+        params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+        return dict(zip(PROMPTS, llm.generate(PROMPTS, params, use_tqdm=False)))
 
 
 GREEDY = {"temperature": "0", "max_tokens": str(N), "ignore_eos": "true"}  # strings, as genai-perf sends them

@@ -1,11 +1,14 @@
-"""Parsing and validation of Triton request tensors (no server): every bad input names its field."""
+"""Parsing and validation of Triton request tensors (every bad input names its field), and the response
+thread's formatting: pure Python, no server."""
 import json
 
 import numpy as np
 import pytest
 
+from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.serving.request import (OPTIONAL_OUTPUTS, SCALAR_INPUTS, TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS,
                                        parse_request)
+from nanoserve.serving.responses import Stream, merge_outputs, text_arrays
 
 
 def text(value) -> np.ndarray:
@@ -127,3 +130,35 @@ def test_contract_tables_match_design():
                        "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
                        "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1])}
     assert {i["name"] for i in TOKEN_INPUTS} == set(inputs) - {"text_input"} | {"input_ids"}
+
+
+# ---- response formatting (the response thread, without Triton) -------------------------------------------
+def outputs_of(request_id, pieces, reason="length"):
+    """RequestOutputs of one request, one token per step: pieces = [(token_id, text_delta), ...]."""
+    return [RequestOutput(request_id, [t], d, i == len(pieces) - 1, reason if i == len(pieces) - 1 else None, 3,
+                          i + 1, -0.5 * (i + 1), [{t: -0.5}]) for i, (t, d) in enumerate(pieces)]
+
+
+def test_merge_outputs_joins_a_requests_steps():
+    a, b = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")]), outputs_of("b", [(9, " x")])
+    merged = merge_outputs([a[0], b[0], a[1], a[2]])
+    assert [m.request_id for m in merged] == ["a", "b"]
+    assert merged[0].new_token_ids == [5, 6, 7] and merged[0].text_delta == "Hello"
+    assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}]
+    assert merged[0].finished and merged[0].num_output_tokens == 3 and merged[0].cumulative_logprob == -1.5
+    assert merged[1] is b[0]
+
+
+def test_text_arrays_streaming_and_not():
+    pieces = [(5, "He"), (6, ""), (7, "llo")]
+    flags = {"return_num_output_tokens": np.array([True]), "return_finish_reason": np.array([True])}
+    streaming = Stream(None, parse(text_input=text("Hi "), stream=np.array([True]), **flags))
+    sent = [text_arrays(streaming, o) for o in outputs_of("a", pieces)]
+    assert [a["text_output"][0] for a in sent] == [b"He", b"", b"llo"]  # token-level flag: every token sent
+    assert [a["finish_reason"][0] for a in sent] == [b"", b"", b"length"]
+    whole = Stream(None, parse(text_input=text("Hi "), **flags))
+    sent = [text_arrays(whole, o) for o in outputs_of("a", pieces)]
+    assert sent[:2] == [None, None] and sent[2]["text_output"][0] == b"Hi Hello"  # prompt prepended
+    assert sent[2]["num_output_tokens"].tolist() == [3]
+    quiet = Stream(None, parse(text_input=text("Hi "), stream=np.array([True])))
+    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0]) is None  # held-back text: nothing sent

@@ -67,6 +67,7 @@ class SamplingMetadata:
     greedy: torch.Tensor | None = None  # bool [N]; only for a batch that mixes greedy and sampled rows
     temperatures: Scalar | torch.Tensor = 1.0  # 1.0 on greedy rows
     top_ks: Scalar | torch.Tensor | None = None  # huge where top-k is off
+    max_top_k: int | None = None  # the largest top-k when every sampled row sets one: only that many candidates
     top_ps: Scalar | torch.Tensor | None = None  # +inf where top-p is off
     log_min_ps: Scalar | torch.Tensor | None = None  # -inf where min-p is off
     seeded: list[tuple[int, int]] = field(default_factory=list)  # (row, generator seed for this step)
@@ -141,6 +142,9 @@ class SamplingMetadata:
         top_ks = [p.top_k for p in params]
         if max(top_ks) > 0:
             self.top_ks = _column([k if k > 0 else _NO_TOP_K for k in top_ks], torch.long, device)
+            sampled_ks = [k for k, g in zip(top_ks, greedy) if not g]  # greedy rows ignore their filters
+            if min(sampled_ks) > 0:
+                self.max_top_k = max(sampled_ks)
         top_ps = [p.top_p for p in params]
         if min(top_ps) < 1.0:
             self.top_ps = _column([p if p < 1.0 else math.inf for p in top_ps], torch.float32, device)
@@ -167,10 +171,10 @@ class Sampler:
                 rows, token_ids = meta.banned
                 in_vocab = token_ids < logits.shape[1]  # an out-of-vocab stop_token_id can never be sampled
                 logits[rows[in_vocab], token_ids[in_vocab]] = float("-inf")
-        top = _finite_row_max(logits)
-        shifted = logits - top  # the row max becomes 0: exp never overflows
+        row_max = _finite_row_max(logits)
+        shifted = logits - row_max  # the row max becomes 0: exp never overflows
         weights = shifted.exp()  # unnormalized probabilities at temperature 1
-        log_norm = weights.sum(dim=-1).log_().add_(top.squeeze(1))  # logsumexp(logits)
+        log_norm = weights.sum(dim=-1).log_().add_(row_max.squeeze(1))  # logsumexp(logits), in fewer passes
         if meta.all_greedy:
             token_ids = argmax(logits)
         else:
@@ -185,15 +189,14 @@ class Sampler:
                 meta: SamplingMetadata) -> torch.Tensor:
         """Sampled token ids [N]. shifted = logits - row max and weights = exp(shifted) are scratch: both are
         overwritten here. Temperature and the filters act on shifted logits (the same distributions)."""
-        scaled = shifted
-        if not _is_one(meta.temperatures):
-            scaled = shifted.div_(meta.temperatures)  # the row max stays 0
+        reweighted = not _is_one(meta.temperatures)  # once true, weights are no longer exp(scaled)
+        scaled = shifted.div_(meta.temperatures) if reweighted else shifted  # the row max stays 0
         if meta.top_ks is not None or meta.top_ps is not None:
-            scaled = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps)
+            scaled, reweighted = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps, meta.max_top_k), True
         if meta.log_min_ps is not None:
-            scaled = apply_min_p(scaled, meta.log_min_ps)
+            scaled, reweighted = apply_min_p(scaled, meta.log_min_ps), True
         if len(meta.seeded) < meta.num_rows:
-            if scaled is not shifted or not _is_one(meta.temperatures):  # weights are exp(logits - max) still
+            if reweighted:
                 weights = torch.exp(scaled, out=weights)
             uniforms = torch.rand((meta.num_rows, 1), generator=self._generator(
                 self._generators, logits.device, self.seed), device=logits.device)
@@ -254,11 +257,16 @@ def _finite_row_max(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: Scalar | torch.Tensor | None,
-                      top_ps: Scalar | torch.Tensor | None) -> torch.Tensor:
+                      top_ps: Scalar | torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Mask to -inf all tokens outside each row's top-k, then outside the smallest set whose probability
-    mass reaches top_p (the top token always stays). Ties with the last kept logit are kept too."""
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    ranks = torch.arange(logits.shape[1], device=logits.device)
+    mass reaches top_p (the top token always stays). Ties with the last kept logit are kept too.
+    With max_top_k (every row has a top-k, none larger) only the max_top_k largest logits are sorted, by
+    topk: nothing past them can be kept, and sorting the whole vocabulary costs far more."""
+    if max_top_k is not None and max_top_k < logits.shape[1]:
+        sorted_logits = logits.topk(max_top_k, dim=-1).values  # sorted, largest first
+    else:
+        sorted_logits = logits.sort(dim=-1, descending=True).values
+    ranks = torch.arange(sorted_logits.shape[1], device=logits.device)
     keep = torch.isfinite(sorted_logits)
     if top_ks is not None:
         keep &= ranks < top_ks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ class StepResult:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): bad input
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): internal errors
     stats: dict = field(default_factory=dict)  # engine.stats() after the step
+    time: float = 0.0  # time.monotonic() when the step's tokens were ready
 
 
 class EngineThread:
@@ -65,7 +67,7 @@ class EngineThread:
             except Exception:  # keep serving: fail what was running, not the model
                 logger.error("nanoserve engine step failed:\n%s", traceback.format_exc())
                 result.failed += self._abort_all("internal error: the engine step failed (see the server log)")
-            result.stats = self.engine.stats()
+            result.stats, result.time = self.engine.stats(), time.monotonic()
             self.results.put(result)
 
     def _apply(self, commands: list[tuple], result: StepResult) -> None:

@@ -76,9 +76,14 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False) -> Pa
     """One request's inputs -> ParsedRequest. `parameters` is the Triton request parameters JSON (HTTP
     "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor."""
     prompt = _token_prompt(get) if tokens else parse_text_prompt(get)
-    from_parameters = _request_parameters(parameters) if get("sampling_parameters") is None else {}
-    flags = {name: _flag(get, name, from_parameters.pop(name, None)) for name in FLAG_INPUTS}
-    params = _sampling_params(get, from_parameters)
+    tensor = get("sampling_parameters")
+    if tensor is None:
+        values = _request_parameters(parameters)
+        flag_values = {name: values.pop(name) for name in FLAG_INPUTS if name in values}  # may come this way too
+    else:
+        values, flag_values = _json_object("sampling_parameters", _single("sampling_parameters", tensor)), {}
+    flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
+    params = SamplingParams.from_dict({**values, **_scalar_tensors(get)})
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
     if "logprobs" in outputs and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # the sampled token's own logprob
@@ -142,14 +147,6 @@ def _flag(get: Getter, name: str, fallback) -> bool:
     if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"{name}: expected a boolean, got {value!r}")
-
-
-def _sampling_params(get: Getter, from_parameters: dict) -> SamplingParams:
-    tensor = get("sampling_parameters")
-    values = from_parameters if tensor is None else _json_object("sampling_parameters", _single(
-        "sampling_parameters", tensor))
-    values.update(_scalar_tensors(get))
-    return SamplingParams.from_dict(values)
 
 
 def _scalar_tensors(get: Getter) -> dict:

@@ -5,6 +5,7 @@ custom-metric updates). pb_utils is passed in: this module imports nothing from 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -51,20 +52,24 @@ STOP = object()
 
 
 class ResponseThread:
-    """formatter(stream, output) -> dict of output arrays to send now, or None (nothing to send yet); it is
-    called before stream.token_ids is extended with output.new_token_ids."""
+    """formatter(stream, output) -> dict of output arrays to send now, or None (nothing to send yet; never for
+    a finished output). It is called before stream.token_ids is extended with output.new_token_ids.
+
+    When sending falls behind the engine, the steps queued meanwhile are merged: one response per request then
+    carries several tokens, so the cost of sending stays per request, not per token.
+    """
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
-                 cancel_sweep_interval: float = 0.5):
+                 cancel_check_interval: float = 0.1):
         self.pb = pb_utils
         self.events = events
         self.engine_thread = engine_thread
         self.metrics = metrics
         self.formatter = formatter
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
-        self.cancel_sweep_interval = cancel_sweep_interval
+        self.cancel_check_interval = cancel_check_interval
         self.streams: dict[str, Stream] = {}
-        self._next_sweep = 0.0
+        self._next_check = 0.0
         self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
 
     def start(self) -> "ResponseThread":
@@ -78,58 +83,73 @@ class ResponseThread:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        stopping = False
+        while not stopping:
+            events = self._next_events()
+            stopping = any(event is STOP for event in events)
             try:
-                event = self.events.get(timeout=self.cancel_sweep_interval)
-            except queue.Empty:
-                event = None
-            try:
-                if event is STOP:
-                    break
-                self._handle(event)
-                self._sweep_cancelled()
-            except Exception:  # a failing send must not kill the thread that serves everyone else
+                for event in events:  # requests first: the steps below may hold their first outputs
+                    if isinstance(event, Register):
+                        self.streams[event.request_id] = event.stream
+                    elif isinstance(event, Reject):
+                        self._send_error(event.sender, event.message, self.pb.TritonError.INVALID_ARG)
+                steps = [event for event in events if isinstance(event, StepResult)]
+                if steps:
+                    self._handle_steps(steps)
+                self._check_cancelled()
+            except Exception:  # a failure must not kill the thread that serves everyone else
                 logger.exception("nanoserve response thread")
         for request_id in list(self.streams):
             self._fail(request_id, "the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
 
-    def _handle(self, event) -> None:
-        if isinstance(event, Register):
-            self.streams[event.request_id] = event.stream
-        elif isinstance(event, Reject):
-            self._send_error(event.sender, event.message, self.pb.TritonError.INVALID_ARG)
-        elif isinstance(event, StepResult):
-            for request_id, message in event.rejected:
+    def _next_events(self) -> list:
+        """The next event (waiting at most until the next cancellation check) and all queued behind it."""
+        try:
+            events = [self.events.get(timeout=self.cancel_check_interval)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                events.append(self.events.get_nowait())
+            except queue.Empty:
+                return events
+
+    def _handle_steps(self, steps: list[StepResult]) -> None:
+        for step in steps:
+            self._record_timing(step)
+            for request_id, message in step.rejected:
                 self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
-            for request_id, message in event.failed:
+            for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
-            for output in event.outputs:
+        for output in merge_outputs([output for step in steps for output in step.outputs]):
+            try:
                 self._on_output(output)
-            self.metrics.record_engine(event.stats)
-            self.metrics.record_generated(sum(len(o.new_token_ids) for o in event.outputs))
+            except Exception:  # this request fails, not the others
+                logger.exception("nanoserve: sending a response failed")
+                self.engine_thread.abort(output.request_id)
+                self._fail(output.request_id, "internal error: sending a response failed",
+                           self.pb.TritonError.INTERNAL)
+        self.metrics.record_engine(steps[-1].stats)
+        self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
 
-    def _sweep_cancelled(self) -> None:
-        """Outputs check their own request; this catches the ones that produce none (waiting, preempted)."""
+    def _check_cancelled(self) -> None:
+        """Every cancel_check_interval: abort the requests whose client cancelled (frees their KV blocks);
+        the engine's "abort" output then ends the stream with a CANCELLED error."""
         now = time.monotonic()
-        if now < self._next_sweep:
+        if now < self._next_check:
             return
-        self._next_sweep = now + self.cancel_sweep_interval
+        self._next_check = now + self.cancel_check_interval
         for request_id, stream in self.streams.items():
-            self._check_cancelled(request_id, stream)
-
-    def _check_cancelled(self, request_id: str, stream: Stream) -> bool:
-        if not stream.cancelled and stream.sender.is_cancelled():
-            stream.cancelled = True
-            self.engine_thread.abort(request_id)  # blocks are freed; the "abort" output ends the stream
-        return stream.cancelled
+            if not stream.cancelled and stream.sender.is_cancelled():
+                stream.cancelled = True
+                self.engine_thread.abort(request_id)
 
     # ---- one output ---------------------------------------------------------------------------------
     def _on_output(self, output) -> None:
         stream = self.streams.get(output.request_id)
         if stream is None:  # already ended (a failure raced with a last output)
             return
-        self._record_timing(stream, output)
-        if self._check_cancelled(output.request_id, stream):
+        if stream.cancelled:
             if output.finished:
                 self._fail(output.request_id, "request cancelled", self.pb.TritonError.CANCELLED, output)
             return
@@ -140,21 +160,22 @@ class ResponseThread:
         elif arrays is not None:
             stream.sender.send(self._response(arrays))
 
-    def _record_timing(self, stream: Stream, output) -> None:
-        if not output.new_token_ids:
-            return
-        now = time.monotonic()
-        if stream.first_token is None:
-            stream.first_token = now
-            self.metrics.record_first_token(now - stream.arrival, output.num_prompt_tokens)
-        else:
-            self.metrics.record_inter_token(now - stream.last_token)
-        stream.last_token = now
+    def _record_timing(self, step: StepResult) -> None:
+        """TTFT and one inter-token latency per token, from the time the engine step produced them."""
+        for output in step.outputs:
+            stream = self.streams.get(output.request_id)
+            if stream is None or not output.new_token_ids:
+                continue
+            if stream.first_token is None:
+                stream.first_token = step.time
+                self.metrics.record_first_token(step.time - stream.arrival, output.num_prompt_tokens)
+            else:
+                self.metrics.record_inter_token(step.time - stream.last_token)
+            stream.last_token = step.time
 
-    def _finish(self, request_id: str, output, arrays: dict | None) -> None:
+    def _finish(self, request_id: str, output, arrays: dict) -> None:
         stream = self.streams.pop(request_id)
-        response = self._response(arrays) if arrays is not None else self.pb.InferenceResponse(output_tensors=[])
-        stream.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._record_finished(stream, output)
 
     def _fail(self, request_id: str, message: str, code, output=None) -> None:
@@ -180,6 +201,18 @@ class ResponseThread:
 
     def _name_field(self, message: str) -> str:
         return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
+
+
+def merge_outputs(outputs: list) -> list:
+    """One output per request: consecutive steps' outputs of a request joined (tokens, text, logprobs), the
+    latest counts and finish state kept. Order: each request's first appearance."""
+    merged = {}
+    for output in outputs:
+        earlier = merged.get(output.request_id)
+        merged[output.request_id] = output if earlier is None else dataclasses.replace(
+            output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
+            text_delta=earlier.text_delta + output.text_delta, new_logprobs=earlier.new_logprobs + output.new_logprobs)
+    return list(merged.values())
 
 
 # ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
