@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from nanoserve.engine.detokenizer import REPLACEMENT
-from nanoserve.serving.responses import Stream, optional_arrays
+from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
 CONTEXT_IDS = 16
 
@@ -48,7 +48,7 @@ def token_arrays(stream: Stream, output) -> dict | None:
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(context, dtype=np.int32),
-            "finish_reason": np.array([(output.finish_reason or "").encode()], dtype=np.object_)}
+            "finish_reason": string_array(output.finish_reason or "")}
 
 
 def engine_tokenizer(args: dict):

@@ -223,26 +223,26 @@ def text_arrays(stream: Stream, output) -> dict | None:
         token_level = output.new_token_ids and request.outputs & TOKEN_LEVEL_OUTPUTS
         if not (output.text_delta or output.finished or token_level):
             return None  # text held back (an incomplete character or a possible stop string)
-        return {"text_output": _strings(output.text_delta),
+        return {"text_output": string_array(output.text_delta),
                 **optional_arrays(request, output, output.new_logprobs, len(output.new_token_ids))}
     stream.text += output.text_delta
     stream.logprobs += output.new_logprobs
     if not output.finished:
         return None
     text = stream.text if request.exclude_input else request.prompt + stream.text
-    return {"text_output": _strings(text),
+    return {"text_output": string_array(text),
             **optional_arrays(request, output, stream.logprobs, output.num_output_tokens)}
 
 
 def optional_arrays(request: ParsedRequest, output, logprobs: list, num_output_tokens: int) -> dict:
     arrays = {}
     if "finish_reason" in request.outputs:
-        arrays["finish_reason"] = _strings(output.finish_reason or "")
+        arrays["finish_reason"] = string_array(output.finish_reason or "")
     if "cumulative_logprob" in request.outputs:
         arrays["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
     if "logprobs" in request.outputs:
         per_token = [{str(token): logprob for token, logprob in entry.items()} for entry in logprobs]
-        arrays["logprobs"] = _strings(json.dumps(per_token))
+        arrays["logprobs"] = string_array(json.dumps(per_token))
     if "num_input_tokens" in request.outputs:
         arrays["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
     if "num_output_tokens" in request.outputs:
@@ -250,5 +250,5 @@ def optional_arrays(request: ParsedRequest, output, logprobs: list, num_output_t
     return arrays
 
 
-def _strings(text: str) -> np.ndarray:
+def string_array(text: str) -> np.ndarray:
     return np.array([text.encode("utf-8")], dtype=np.object_)
