@@ -18,6 +18,7 @@ batch; the response thread sends every response, sweeps for cancelled requests a
 """
 import itertools
 import json
+import logging
 import queue
 
 import triton_python_backend_utils as pb_utils
@@ -29,6 +30,7 @@ from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import load_engine_args
 from nanoserve.serving.responses import Register, Reject, ResponseThread, Stream, text_arrays
 
+logger = logging.getLogger(__name__)
 MODES = {  # mode -> (inputs, outputs, prompt input, formatter)
     "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_arrays),
     "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_arrays),
@@ -90,6 +92,11 @@ class TritonPythonModel:
                                             tokens=self.mode == "tokens")
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
+            return
+        except Exception as e:  # a parser bug must fail this request only, never the rest of the batch
+            logger.exception("nanoserve: parsing a request failed")
+            self.events.put(Reject(sender, f"internal error: parsing the request failed ({type(e).__name__})",
+                                   code="INTERNAL"))
             return
         request_id = f"{self.name}-{next(self._request_ids)}"
         self.events.put(Register(request_id, Stream(sender, parsed)))  # before the engine can answer

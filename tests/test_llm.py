@@ -163,6 +163,8 @@ def test_streaming_engine_api_and_abort(qwen3_dir, make_llm):
     ([], SamplingParams(max_tokens=4), "prompt"),
     ([5] * 10, SamplingParams(max_tokens=5000), "max_tokens"),
     ([10**9], SamplingParams(max_tokens=4), "prompt"),
+    ([5] * 300, SamplingParams(max_tokens=4), "prompt"),  # longer than max_model_len
+    ("word " * 400, SamplingParams(max_tokens=4), "prompt"),
 ])
 def test_bad_requests_are_rejected(qwen3_dir, make_llm, prompt, params, field):
     llm = make_llm(qwen3_dir, max_model_len=256)

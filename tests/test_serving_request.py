@@ -111,6 +111,11 @@ def test_token_prompt():
     ({}, "{not json", "parameters"),
     ({}, '{"unknown_knob": 1}', "unknown_knob"),
     ({}, '{"stream": "maybe"}', "stream"),
+    # nested past Python's recursion limit: a RecursionError escaped execute() with a traceback
+    ({"sampling_parameters": text("[" * 100_000)}, "", "sampling_parameters"),
+    ({}, "[" * 100_000, "parameters"),
+    ({"sampling_parameters": text(json.dumps({"stop_token_ids": "[" * 100_000}))}, "", "stop_token_ids"),
+    ({}, json.dumps({"max_tokens": 3, "stop_token_ids": "[" * 100_000}), "stop_token_ids"),
 ])
 def test_bad_input_names_the_field(tensors, parameters, field):
     if field != "text_input":

@@ -98,8 +98,10 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError("prompt: expected a string or a list of token ids")
+        self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt: expected a string or a list of token ids")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:

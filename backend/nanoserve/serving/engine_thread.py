@@ -2,6 +2,7 @@
 queued by other threads between steps, and sleeps on a condition while there is nothing to do."""
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -24,6 +25,8 @@ class StepResult:
 class EngineThread:
     def __init__(self, engine, results: queue.Queue, name: str = "nanoserve-engine"):
         self.engine = engine
+        # The engine's tokenizer belongs to the engine thread: HF tokenizers are not safe to share across threads.
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
         self.results = results  # StepResults go here, in order
         self._commands: list[tuple] = []
         self._cond = threading.Condition()
@@ -35,6 +38,10 @@ class EngineThread:
         return self
 
     def add(self, request_id: str, prompt, sampling_params) -> None:
+        """Called from execute(): text is tokenized here, on the caller's thread, so that a huge prompt
+        stalls only its own request and never the streams the engine thread is serving."""
+        if isinstance(prompt, str):
+            prompt = self._tokenizer.encode(prompt, add_special_tokens=True)
         self._push(("add", request_id, prompt, sampling_params))
 
     def abort(self, request_id: str) -> None:

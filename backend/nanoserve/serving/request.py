@@ -83,11 +83,25 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False) -> Pa
     else:
         values, flag_values = _json_object("sampling_parameters", _single("sampling_parameters", tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
-    params = SamplingParams.from_dict({**values, **_scalar_tensors(get)})
+    params = _sampling_params({**values, **_scalar_tensors(get)})
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
     if "logprobs" in outputs and params.logprobs is None:
         params = dataclasses.replace(params, logprobs=0)  # the sampled token's own logprob
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
+
+
+def _sampling_params(values: dict) -> SamplingParams:
+    try:
+        return SamplingParams.from_dict(values)
+    except RecursionError:  # a string value parsed as JSON (e.g. stop_token_ids "[[[[...") nested too deeply
+        for name, value in values.items():
+            try:
+                SamplingParams.from_dict({name: value})
+            except RecursionError:
+                raise ValueError(f"{name}: nested too deeply") from None
+            except ValueError:
+                pass
+        raise ValueError("sampling_parameters: nested too deeply") from None
 
 
 def parse_text_prompt(get: Getter) -> str:
@@ -132,6 +146,8 @@ def _json_object(name: str, text: str | bytes) -> dict:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
         raise ValueError(f"{name}: invalid JSON ({e.msg} at char {e.pos})") from None
+    except RecursionError:
+        raise ValueError(f"{name}: invalid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -46,6 +46,7 @@ class Register:
 class Reject:
     sender: object
     message: str
+    code: str = "INVALID_ARG"  # the TritonError code's name
 
 
 STOP = object()
@@ -87,20 +88,29 @@ class ResponseThread:
         while not stopping:
             events = self._next_events()
             stopping = any(event is STOP for event in events)
-            try:
-                for event in events:  # requests first: the steps below may hold their first outputs
-                    if isinstance(event, Register):
-                        self.streams[event.request_id] = event.stream
-                    elif isinstance(event, Reject):
-                        self._send_error(event.sender, event.message, self.pb.TritonError.INVALID_ARG)
-                steps = [event for event in events if isinstance(event, StepResult)]
-                if steps:
-                    self._handle_steps(steps)
-                self._check_cancelled()
-            except Exception:  # a failure must not kill the thread that serves everyone else
-                logger.exception("nanoserve response thread")
+            for event in events:  # requests first: the steps below may hold their first outputs
+                if isinstance(event, (Register, Reject)):
+                    self._guarded(self._handle_request_event, event)
+            steps = [event for event in events if isinstance(event, StepResult)]
+            if steps:
+                self._guarded(self._handle_steps, steps)
+            self._guarded(self._check_cancelled)
         for request_id in list(self.streams):
             self._fail(request_id, "the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
+
+    @staticmethod
+    def _guarded(handler, *args) -> None:
+        """A failure in one event must neither kill the thread that serves everyone nor skip the other events."""
+        try:
+            handler(*args)
+        except Exception:
+            logger.exception("nanoserve response thread")
+
+    def _handle_request_event(self, event) -> None:
+        if isinstance(event, Register):
+            self.streams[event.request_id] = event.stream
+        else:
+            self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
     def _next_events(self) -> list:
         """The next event (waiting at most until the next cancellation check) and all queued behind it."""
