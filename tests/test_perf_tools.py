@@ -51,7 +51,9 @@ def test_perf_analyzer_grpc_streaming(nanoserve_server, tmp_path):
     (tmp_path / "input.json").write_text(json.dumps(data))
     run([PERF_ANALYZER, "-m", "nanoserve", "-i", "grpc", "--streaming", "-u", nanoserve_server.url_grpc,
          "--input-data", "input.json", "--concurrency-range", "2", "--measurement-mode", "count_windows",
-         "--measurement-request-count", "8", "-f", "results.csv"], tmp_path)
+         "--measurement-request-count", "8", "-f", "results.csv",
+         # a busy CI box makes latencies swing: accept any window, this checks the run, not the numbers
+         "--stability-percentage", "1000", "--max-trials", "5"], tmp_path)
     with open(tmp_path / "results.csv") as f:
         row = next(csv.DictReader(f))
     assert float(row["Inferences/Second"]) > 0
