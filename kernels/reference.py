@@ -27,12 +27,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     starts = query_start_loc[:-1].tolist()
+    seq_lens_list = seq_lens.tolist()
     decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
-    if decode_rows:
-        rows = torch.tensor(decode_rows, device=q.device)
+    for group in _similar_lengths(decode_rows, seq_lens_list):
+        rows = torch.tensor(group, device=q.device)
         token_idx = query_start_loc[:-1][rows].long()
         out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
-    seq_lens_list = seq_lens.tolist()
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -43,6 +43,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[start:start + q_len] = _sdpa(q[start:start + q_len].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                          mask[None, None], scale)[0]
     return out
+
+
+def _similar_lengths(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Decode rows grouped so that no context is padded to more than twice its length: a batched decode pads
+    every row to the group's longest context, which for mixed lengths would otherwise double the work."""
+    groups: list[list[int]] = []
+    shortest = 0
+    for row in sorted(rows, key=seq_lens.__getitem__):
+        if not groups or seq_lens[row] > 2 * shortest:
+            groups.append([])
+            shortest = seq_lens[row]
+        groups[-1].append(row)
+    return groups
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
