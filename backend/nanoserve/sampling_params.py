@@ -134,8 +134,10 @@ def _check_number(name, value, lo=None, hi=None):
         raise ValueError(f"{name}: expected a number, got {value!r}")
     if not _is_finite(value):
         raise ValueError(f"{name}: must be finite, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name}: must be in [{lo}, {hi}], got {value}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name}: must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name}: must be <= {hi}" + (f" and >= {lo}" if lo is not None else "") + f", got {value}")
 
 
 def _is_finite(value) -> bool:
