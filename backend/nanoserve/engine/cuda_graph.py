@@ -55,14 +55,18 @@ def fits_graph(buckets: list[int], max_blocks: int, batch_size: int, table_width
     return decode_only and 0 < batch_size and table_width <= max_blocks and pick_bucket(buckets, batch_size) is not None
 
 
-def check_capturable(model: torch.nn.Module) -> None:
-    """Raises when an attention layer's backend synchronizes with the host (which a capture cannot do)."""
+def backend_is_capturable(backend: str) -> bool:
+    """False for the torch reference attention (and flash_attn without the Triton KV store): they synchronize
+    with the host, which a capture cannot do."""
     from nanoserve.layers.activation import cuda_op
 
+    return backend == "triton" or (backend == "flash_attn" and cuda_op("store_kvcache") is not None)
+
+
+def check_capturable(model: torch.nn.Module) -> None:
+    """Raises when an attention layer's backend synchronizes with the host."""
     for layer in model.modules():
-        if not isinstance(layer, Attention):
-            continue
-        if layer.backend == "torch" or (layer.backend == "flash_attn" and cuda_op("store_kvcache") is None):
+        if isinstance(layer, Attention) and not backend_is_capturable(layer.backend):
             raise ValueError(f"attention_backend={layer.backend!r} synchronizes with the host here (the torch "
                              "reference attention / KV store) and cannot run in a CUDA graph: use "
                              "attention_backend='triton', or enforce_eager=True")

@@ -263,13 +263,10 @@ class ModelRunner:
         return size
 
     def _use_cuda_graphs(self) -> bool:
-        from nanoserve.layers.activation import cuda_op
+        from nanoserve.engine.cuda_graph import backend_is_capturable
 
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return False
-        backend = self.config.attention_backend
-        # the torch reference (and its KV store) synchronizes with the host, which a capture cannot do
-        return backend == "triton" or (backend == "flash_attn" and cuda_op("store_kvcache") is not None)
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and backend_is_capturable(self.config.attention_backend))
 
     def _capture_cuda_graphs(self):
         from nanoserve.engine.cuda_graph import CUDAGraphRunner
