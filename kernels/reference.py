@@ -46,12 +46,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _similar_lengths(rows: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Decode rows grouped so that no context is padded to more than twice its length: a batched decode pads
+    """Decode rows grouped so that no context is padded to more than 1.5x its length: a batched decode pads
     every row to the group's longest context, which for mixed lengths would otherwise double the work."""
     groups: list[list[int]] = []
     shortest = 0
     for row in sorted(rows, key=seq_lens.__getitem__):
-        if not groups or seq_lens[row] > 2 * shortest:
+        if not groups or seq_lens[row] > 1.5 * shortest:
             groups.append([])
             shortest = seq_lens[row]
         groups[-1].append(row)
