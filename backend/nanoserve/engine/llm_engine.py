@@ -16,6 +16,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -97,7 +98,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return encode_prompt_text(self.tokenizer, prompt)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("prompt: expected a string or a list of token ids")
         self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks

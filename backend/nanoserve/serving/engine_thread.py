@@ -10,6 +10,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from nanoserve.engine.tokenize import encode_prompt_text
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,7 +43,7 @@ class EngineThread:
         """Called from execute(): text is tokenized here, on the caller's thread, so that a huge prompt
         stalls only its own request and never the streams the engine thread is serving."""
         if isinstance(prompt, str):
-            prompt = self._tokenizer.encode(prompt, add_special_tokens=True)
+            prompt = encode_prompt_text(self._tokenizer, prompt)
         self._push(("add", request_id, prompt, sampling_params))
 
     def abort(self, request_id: str) -> None:

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from nanoserve.engine.detokenizer import REPLACEMENT
+from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
 CONTEXT_IDS = 16
@@ -90,7 +91,7 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids as the text model's engine computes them. chat: render the tokenizer's chat template, text being
     a JSON list of {"role", "content"} messages or else one user message."""
     if not chat:
-        return tokenizer.encode(text, add_special_tokens=True)
+        return encode_prompt_text(tokenizer, text)
     if tokenizer.chat_template is None:
         raise ValueError("apply_chat_template: the tokenizer has no chat template")
     messages = _messages(text)
