@@ -137,23 +137,15 @@ class OfflineResult:
 
 def time_nanoserve(label: str, model: str, prompts, output_lens, engine_args: dict, temperature: float,
                    warmup_prompts) -> OfflineResult:
-    from nanoserve import LLM, SamplingParams
+    from bench_offline import bench_nanoserve
 
     log(f"{label}: engine_args={engine_args}")
-    llm = LLM(model, **engine_args)
     try:
-        warm = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True)
-        llm.generate(warmup_prompts, warm, use_tqdm=False)  # other prompts: no prefix-cache hits later
-        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        preemptions = llm.stats().get("num_preemptions")
+        seconds, tokens, stats = bench_nanoserve(model, prompts, output_lens, engine_args, temperature,
+                                                 warmup_prompts)
     finally:
-        llm.shutdown()
-        del llm
         release_memory()
-    return OfflineResult(label, seconds, sum(len(o.token_ids) for o in outputs), preemptions)
+    return OfflineResult(label, seconds, tokens, stats.get("num_preemptions"))
 
 
 def run_offline(model: str, args, device: str) -> list[OfflineResult]:

@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.join(REPO, "client"))
 
 import bench_gpu  # noqa: E402
 import bench_kernels  # noqa: E402
+from bench_offline import make_workload  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
@@ -37,7 +39,8 @@ def test_offline_section_on_cpu(qwen3_dir):
     results = bench_gpu.run_offline(qwen3_dir, cpu_args(), "cpu")
     assert [r.label.split(",")[0].split(" (")[0] for r in results] == ["nanoserve", "nanoserve",
                                                                        "HF transformers generate"]
-    assert all(r.tokens > 0 and r.seconds > 0 for r in results)
+    expected_tokens = sum(make_workload(3, 4, 12, AutoConfig.from_pretrained(qwen3_dir).vocab_size, 0)[1])
+    assert all(r.tokens == expected_tokens and r.seconds > 0 for r in results)  # ignore_eos: every token asked for
     table = bench_gpu.offline_table(results, cpu_args())
     assert "| nanoserve, CUDA graphs |" in table and "| engine | output tokens |" in table
 
