@@ -39,13 +39,14 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: i
 def bench_nanoserve(model: str, prompts, output_lens, engine_args: dict, temperature: float,
                     warmup_prompts) -> tuple[float, int, dict]:
     """(seconds, output tokens, engine stats) of one timed `generate`, after a warm-up on other prompts (so the
-    timed run gets no prefix-cache hits from it)."""
+    timed run gets no prefix-cache hits from it) decoding as far as the longest output: the first long contexts
+    pay one-off allocation costs (page faults, allocator growth) that a running server has already paid."""
     from nanoserve import LLM, SamplingParams
 
     llm = LLM(model, **engine_args)
     try:
-        llm.generate(warmup_prompts, SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True),
-                     use_tqdm=False)
+        warmup = SamplingParams(temperature=temperature, max_tokens=max(output_lens), ignore_eos=True)
+        llm.generate(warmup_prompts, warmup, use_tqdm=False)
         params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
