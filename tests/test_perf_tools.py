@@ -38,8 +38,16 @@ def tools_env() -> dict:
     return {**os.environ, "PATH": f"{TOOLS_BIN}{os.pathsep}{os.environ.get('PATH', '')}", "HF_HUB_OFFLINE": "1"}
 
 
-def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+# perf_analyzer 2.51 under genai-perf was seen (once in five CI runs, not reproducible by hand) to exit without
+# writing its profile export, which genai-perf then fails to parse: that one symptom gets a second run.
+EMPTY_EXPORT = "zero-length, empty document"
+
+
+def run(cmd: list[str], cwd: Path, retry_on: str | None = None) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, cwd=cwd, env=tools_env(), capture_output=True, text=True, timeout=300)
+    if done.returncode != 0 and retry_on is not None and retry_on in done.stdout + done.stderr:
+        shutil.rmtree(cwd / "artifacts", ignore_errors=True)
+        done = subprocess.run(cmd, cwd=cwd, env=tools_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done
 
@@ -66,7 +74,8 @@ def test_genai_perf_kserve_vllm_streaming(nanoserve_server, tmp_path, qwen3_dir)
          "-u", nanoserve_server.url_grpc, "--tokenizer", qwen3_dir, "--num-prompts", "4",
          "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
          "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--concurrency", "2", "--request-count", "8",
-         "--warmup-request-count", "2", "--random-seed", "0", "--artifact-dir", "artifacts"], tmp_path)
+         "--warmup-request-count", "2", "--random-seed", "0", "--artifact-dir", "artifacts"], tmp_path,
+        retry_on=EMPTY_EXPORT)
     exports = list((tmp_path / "artifacts").glob("*/profile_export_genai_perf.json"))
     assert len(exports) == 1
     metrics = json.loads(exports[0].read_text())
