@@ -4,6 +4,11 @@ Fills the engine with N sequences, runs their prefills, then times decode-only s
 timed by wrapping the model's `forward`; on CUDA the forward timer synchronizes, so the overhead figure is
 the CPU work around it (scheduling, input preparation, sampling, stop checks, detokenization).
 
+`--host-only` replaces the model forward, the LM head and the sampler by outputs computed beforehand (random
+token ids), so that a step is the engine's host work alone, with warm CPU caches: what a GPU server's host
+sees, where the forward runs on the device. With a real forward on the CPU, the forward evicts the CPU caches
+and the host work after it pays for refilling them (several hundred microseconds per step here, whatever N).
+
 Each figure is the median over the timed steps, in wall time and in this process's CPU time (the CPU figure
 leaves out time the process waits for a core on a shared machine). `--phases` splits a step into
 schedule / prepare (batch arrays + tensors) / forward / lm_head / sampling metadata / sampler / postprocess /
@@ -69,18 +74,39 @@ def _wrap_phases(engine, timer: PhaseTimer, phases: bool) -> None:
     timer.wrap(runner, "sampler", "sampler")
 
 
-def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bool = False) -> dict:
+def stub_device_work(engine, num_seqs: int, steps: int, seed: int = 0) -> None:
+    """Forward, LM head and sampler -> outputs made beforehand: a step is host work only."""
+    from nanoserve.layers.sampler import SamplerOutput
+
+    runner, hf = engine.model_runner, engine.config.hf_config
+    hidden = torch.zeros(num_seqs, hf.hidden_size)
+    logits = torch.zeros(num_seqs, hf.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    token_rows = iter(torch.randint(0, hf.vocab_size, (steps + 2, num_seqs), generator=generator).numpy())
+    runner.model.forward = lambda *args, **kwargs: hidden[:len(args[0])]
+    runner.model.compute_logits = lambda h: logits[:len(h)]
+
+    def sample(logits, meta):
+        tokens = next(token_rows)[:len(logits)]
+        return SamplerOutput(tokens.tolist(), tokens, [0.0] * len(tokens), [None] * len(tokens))
+    runner.sampler = sample
+
+
+def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bool = False,
+            stream: bool = False, host_only: bool = False) -> dict:
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(model, max_num_seqs=max(num_seqs, 1), **engine_args)
     params = SamplingParams(temperature=0.6, max_tokens=steps + 64, ignore_eos=True)
     for i in range(num_seqs):
-        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(16)], params)
+        engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(16)], params, stream=stream)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                           for s in engine.scheduler.running):
         engine.step()
     engine.step()  # first decode step: warms caches built on the first decode
+    if host_only:
+        stub_device_work(engine, num_seqs, steps)
     timer = PhaseTimer()
     _wrap_phases(engine, timer, phases)
     rows = []
@@ -117,14 +143,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--phases", action="store_true", help="also time each phase of a step (adds ~1 us each)")
+    parser.add_argument("--modes", nargs="+", choices=["generate", "stream"], default=["generate", "stream"],
+                        help="generate: outputs only when a request finishes (as LLM.generate); stream: a "
+                             "RequestOutput with a text delta per request per step (as the Triton backend)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="forward, LM head and sampler replaced by outputs made beforehand (see above)")
     args = parser.parse_args()
     model = args.model
     if model is None:
         from nanoserve.tiny_model import build_tiny_model
         model = build_tiny_model(tempfile.mkdtemp(prefix="nanoserve-overhead-"), "qwen3")
-    for n in args.num_seqs:
-        r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512}, args.phases)
-        print(f"seqs={r['num_seqs']:4d}  step={r['step']:8.0f} us  forward={r['forward']:8.0f} us  "
+    for mode, n in [(mode, n) for mode in args.modes for n in args.num_seqs]:
+        r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512}, args.phases,
+                    stream=mode == "stream", host_only=args.host_only)
+        print(f"{mode:8s}  seqs={r['num_seqs']:4d}  step={r['step']:8.0f} us  forward={r['forward']:8.0f} us  "
               f"host overhead={r['overhead']:6.0f} us  (cpu time: {r['overhead_cpu']:6.0f} us)")
         if args.phases:
             names = (*PHASES, "outputs")

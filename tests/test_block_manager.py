@@ -297,14 +297,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(seq.block_table) * self.bm.block_size >= entry.end_pos
         for seq in plan.preempted:
             assert seq.status == SequenceStatus.WAITING and not seq.block_table and seq not in scheduled_seqs
-        scheduler.postprocess(plan)
+        sampling = plan.sampling_seqs
+        scheduler.postprocess(plan, [self.rng.choice(VOCAB) for _ in sampling])  # appends the sampled tokens
         self._record_prefixes(scheduled_seqs)
-        for entry in plan.scheduled:
-            if entry.samples:
-                entry.seq.append_token(self.rng.choice(VOCAB))
-                if entry.seq.num_output_tokens >= entry.seq.max_tokens:
-                    scheduler.finish(entry.seq, "length")
-                    self.finished.append(self.live.pop(entry.seq.request_id))
+        for seq in sampling:
+            if seq.num_output_tokens >= seq.max_tokens:
+                scheduler.finish(seq, "length")
+                self.finished.append(self.live.pop(seq.request_id))
 
     def _record_prefixes(self, seqs):
         size = self.bm.block_size

@@ -159,6 +159,60 @@ def test_streaming_engine_api_and_abort(qwen3_dir, make_llm):
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
 
 
+def run_engine(engine, requests) -> dict[str, list]:
+    """requests: (request_id, prompt, params, stream); steps until all finish -> outputs per request."""
+    for request_id, prompt, params, stream in requests:
+        engine.add_request(request_id, prompt, params, stream=stream)
+    outputs = {request_id: [] for request_id, *_ in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return outputs
+
+
+def test_final_only_requests_equal_streamed_ones_in_one_batch(qwen3_dir, make_llm):
+    """stream=False: one output at the end with every token and the whole text, equal to what the same request
+    streams, while streamed, stopping and length-limited requests share the batch."""
+    engine = make_llm(qwen3_dir, kvcache_block_size=BLOCK).engine
+    prompts = random_prompts([5, 9, 13, 3], seed=12)
+    reference = run_engine(engine, [(f"ref{i}", p, GREEDY, True) for i, p in enumerate(prompts)])
+    stop_token = reference["ref1"][4].new_token_ids[0]
+    stop_text = "".join(out.text_delta for out in reference["ref2"])[6:9]
+    cases = [  # (params, logprobs?) per prompt
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop_text] if stop_text else []),
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+    ]
+    requests = [(f"{kind}{i}", p, sp, kind == "s") for i, (p, sp) in enumerate(zip(prompts, cases)) for kind in "sf"]
+    outputs = run_engine(engine, requests)
+    for i in range(len(prompts)):
+        streamed, (final,) = outputs[f"s{i}"], outputs[f"f{i}"]  # final-only: exactly one output
+        assert final.finished and final.finish_reason == streamed[-1].finish_reason
+        assert final.new_token_ids == [t for out in streamed for t in out.new_token_ids]
+        assert final.text_delta == "".join(out.text_delta for out in streamed)
+        assert final.num_output_tokens == streamed[-1].num_output_tokens == len(final.new_token_ids)
+        assert final.new_logprobs == [lp for out in streamed for lp in out.new_logprobs]
+        if i < 2:  # looked at only near a stop: no cumulative logprob (as vLLM without logprobs)
+            assert final.cumulative_logprob is None
+        else:  # stop strings and logprobs are looked at every step
+            assert final.cumulative_logprob == pytest.approx(streamed[-1].cumulative_logprob)
+    assert len(outputs["f0"][0].new_token_ids) == 7 and outputs["f1"][0].finish_reason == "stop"
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+def test_aborted_final_only_request_returns_what_it_generated(qwen3_dir, make_llm):
+    engine = make_llm(qwen3_dir).engine
+    engine.add_request("f", "Hello there", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                       stream=False)
+    for _ in range(4):
+        assert engine.step() == []
+    engine.abort_request("f")
+    (out,) = engine.step()
+    assert out.finish_reason == "abort" and len(out.new_token_ids) == out.num_output_tokens == 4
+    assert out.text_delta == engine.tokenizer.decode(out.new_token_ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("prompt, params, field", [
     ([], SamplingParams(max_tokens=4), "prompt"),
     ([5] * 10, SamplingParams(max_tokens=5000), "max_tokens"),

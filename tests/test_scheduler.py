@@ -28,15 +28,15 @@ def add(scheduler: Scheduler, request_id: str, prompt, max_tokens=4) -> Sequence
 
 
 def step(scheduler: Scheduler, next_token=7):
-    """schedule -> fake model (appends next_token to sampling rows) -> postprocess -> finish at max_tokens."""
+    """schedule -> fake model (samples next_token on sampling rows) -> postprocess -> finish at max_tokens."""
     plan = scheduler.schedule()
     assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
     assert len(plan.scheduled) <= scheduler.max_num_seqs
     scheduler.check_rows()
-    scheduler.postprocess(plan)
-    plan.sampled = [s.seq.request_id for s in plan.scheduled if s.samples]  # before tokens are appended
-    for seq in plan.sampling_seqs:
-        seq.append_token(next_token)
+    sampling = plan.sampling_seqs  # before tokens are appended
+    plan.sampled = [seq.request_id for seq in sampling]
+    scheduler.postprocess(plan, [next_token] * len(sampling))  # appends the tokens
+    for seq in sampling:
         if seq.num_output_tokens >= seq.max_tokens:
             scheduler.finish(seq, "length")
     return plan
@@ -288,7 +288,7 @@ def lockstep_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs:
     fast = make_scheduler(**config)
     slow = make_scheduler(**config)
     slow.__class__ = GeneralPathScheduler
-    used_fast_path = 0
+    used_fast_path = carried = 0
     for i in range(steps):
         if rng.random() < 0.25:
             prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
@@ -305,6 +305,7 @@ def lockstep_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs:
         if not fast.has_unfinished():
             continue
         next_token = rng.randrange(3)
+        carried += fast.rows.carry is not None
         plan_fast, plan_slow = step(fast, next_token), step(slow, next_token)
         used_fast_path += plan_fast.decode is not None
         assert plan_slow.decode is None
@@ -318,6 +319,7 @@ def lockstep_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs:
             (slow.num_preemptions, slow.prompt_tokens_computed, slow.prefix_cache_hit_tokens)
         fast.check_rows()
         fast.block_manager.check_invariants(fast.running)
+    assert carried > 0
     return used_fast_path
 
 
@@ -341,3 +343,24 @@ def test_aborted_between_schedule_and_postprocess_of_a_decode_step_is_skipped():
     assert a.num_computed_tokens == 0 and a.block_table == [] and b.num_computed_tokens == 5
     scheduler.check_rows()
     scheduler.block_manager.check_invariants(scheduler.running)
+
+
+def test_decode_positions_and_tokens_carry_over_to_the_next_decode_step():
+    scheduler = make_scheduler(block_size=2)
+    a, b, c = (add(scheduler, name, range(3), max_tokens=8) for name in "abc")
+    step(scheduler)
+    assert scheduler.rows.carry is None  # a prefill step: nothing to carry
+    step(scheduler, next_token=5)
+    assert scheduler.rows.carry is not None  # a decode step with its sampled tokens
+    scheduler.check_rows()  # carried positions and tokens equal the sequences'
+    plan = scheduler.schedule()
+    assert plan.decode.positions.tolist() == [4, 4, 4] and plan.decode.input_ids.tolist() == [5, 5, 5]
+    scheduler.abort("a")  # between schedule and postprocess: b and c get their tokens, nothing is carried
+    scheduler.postprocess(plan, [6, 7, 8])
+    assert a.token_ids[-1] == 5 and (b.token_ids[-1], c.token_ids[-1]) == (7, 8) and scheduler.rows.carry is None
+    scheduler.check_rows()
+    step(scheduler)
+    scheduler.abort("b")  # after postprocess: its row leaves the carried arrays too
+    assert scheduler.rows.carry is not None
+    scheduler.check_rows()
+    assert scheduler.schedule().decode.input_ids.tolist() == [7]

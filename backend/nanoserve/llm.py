@@ -17,7 +17,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # with SamplingParams.logprobs set
     logprobs: list[dict[int, float]] | None = None  # per generated token, when SamplingParams.logprobs is set
 
     def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
@@ -48,7 +48,7 @@ class LLM:
             for prompt, sp in zip(prompts, params):
                 request_id = f"offline-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, sp)
+                self.engine.add_request(request_id, prompt, sp, stream=False)
                 outputs[request_id] = CompletionOutput(prompt)
             self._run(outputs, params, use_tqdm)
         finally:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
+import numpy as np
 from transformers import AutoTokenizer
 
 from nanoserve.config import EngineConfig
@@ -30,7 +32,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
 
@@ -46,17 +48,45 @@ class StepStats:
 _NO_TOKEN_IDS = frozenset()
 
 
-class _Request:
-    """A request's engine-side state: its sequence, detokenizer, and what the per-token stop check reads."""
-    __slots__ = ("seq", "detokenizer", "stop_token_ids", "max_num_tokens", "wants_logprobs")
+_token_ids = attrgetter("token_ids")
 
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, max_model_len: int):
+
+class _Request:
+    """A request's engine-side state: its sequence, detokenizer, and what the per-token stop check reads.
+    A streamed request gets a RequestOutput (new tokens, text delta) every step; any other one only when it
+    finishes, with all its tokens and text, and is detokenized per step only when stop strings need the text."""
+    __slots__ = ("seq", "detokenizer", "stop_token_ids", "max_num_tokens", "wants_logprobs", "stream",
+                 "needs_text", "watched")
+
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, max_model_len: int, stream: bool):
         self.seq = seq
         self.detokenizer = detokenizer
         params = seq.sampling_params
         self.stop_token_ids = frozenset(params.stop_token_ids) if params.stop_token_ids else _NO_TOKEN_IDS
         self.max_num_tokens = min(seq.num_prompt_tokens + seq.max_tokens, max_model_len)  # "length" from here
         self.wants_logprobs = params.logprobs is not None
+        self.stream = stream
+        self.needs_text = stream or bool(detokenizer.stop)  # detokenized at every step
+        self.watched = self.needs_text or self.wants_logprobs  # looked at every step, not only near a stop
+
+
+class _StopChecks:
+    """The per-step stop check of one batch of sampling sequences, as arrays over its rows: a row is looked at
+    only when it is watched, its token may stop it, or it reached its length. Rebuilt when the batch changes."""
+
+    def __init__(self, seqs: list[Sequence], requests: list[_Request], eos_token_ids: set[int], vocab_size: int):
+        self.seqs = seqs
+        self.requests = requests
+        self.watched = np.array([r.watched for r in requests], dtype=bool)
+        self.max_num_tokens = np.array([r.max_num_tokens for r in requests], dtype=np.int64)
+        self.may_stop = np.zeros(vocab_size, dtype=bool)  # token ids that may stop some row: EOS, stop_token_ids
+        for token_id in set(eos_token_ids).union(*(r.stop_token_ids for r in requests)):
+            if 0 <= token_id < vocab_size:
+                self.may_stop[token_id] = True
+
+    def rows_to_check(self, token_array: np.ndarray, lengths: np.ndarray) -> list[int]:
+        flagged = self.watched | self.may_stop.take(token_array, mode="clip") | (lengths >= self.max_num_tokens)
+        return np.flatnonzero(flagged).tolist()
 
 
 class LLMEngine:
@@ -75,14 +105,17 @@ class LLMEngine:
         self.pending_outputs: list[RequestOutput] = []  # abort notices, emitted by the next step()
         self.last_step = StepStats()
         self.num_generation_tokens = 0
+        self._stop_checks: _StopChecks | None = None  # of the last step's sampling sequences
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
         return cls(EngineConfig.from_kwargs(model, **engine_args))
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams) -> None:
-        """Queue a request. Raises ValueError (message starting with the field) for bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
+                    stream: bool = True) -> None:
+        """Queue a request. Raises ValueError (message starting with the field) for bad input. stream=True: a
+        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         prompt_ids = self.tokenize(prompt)
@@ -93,7 +126,7 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_ids, sampling_params, max_tokens)
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling_params.skip_special_tokens,
                                              sampling_params.stop, sampling_params.include_stop_str_in_output)
-        self.requests[request_id] = _Request(seq, detokenizer, self.config.max_model_len)
+        self.requests[request_id] = _Request(seq, detokenizer, self.config.max_model_len, stream)
         self.scheduler.add(seq)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -115,7 +148,10 @@ class LLMEngine:
         if request is None:
             return False
         self.scheduler.abort(request_id)
-        self.pending_outputs.append(self._output(request, [], request.detokenizer.flush(), "abort"))
+        if request.stream:
+            self.pending_outputs.append(self._output(request, [], request.detokenizer.flush(), "abort"))
+        else:
+            self.pending_outputs.append(self._final_output(request, "abort"))
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -131,41 +167,55 @@ class LLMEngine:
             return outputs
         seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
         sampled = self.model_runner.execute(plan)
-        self.scheduler.postprocess(plan)
-        self._append_tokens(seqs, sampled, outputs)
+        self.scheduler.postprocess(plan, sampled.token_ids)  # appends each sampled token to its sequence
+        self._check_stops(plan, seqs, sampled, outputs)
         self.num_generation_tokens += len(sampled.token_ids)
         prefill = plan.num_prefill_tokens
         self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
         return outputs
 
-    def _append_tokens(self, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
-        """Append each sequence's sampled token, detokenize, check stops, and add its RequestOutput.
-        The loop body runs once per sequence per step, so the usual case (no logprobs, no stop) is kept to a
-        few dictionary and set lookups; anything that may stop the request goes through _finish_reason."""
-        requests, eos_token_ids = self.requests, self.eos_token_ids
-        for seq, token_id, logprob, top in zip(seqs, sampled.token_ids, sampled.sampled_logprobs,
-                                               sampled.top_logprobs):
-            request = requests[seq.request_id]
-            token_ids = seq.token_ids
-            token_ids.append(token_id)
-            cumulative_logprob = seq.cumulative_logprob = seq.cumulative_logprob + logprob
-            new_logprobs = []
-            if request.wants_logprobs:
-                new_logprobs = [{**(top or {}), token_id: logprob}]
-                seq.logprobs.extend(new_logprobs)
-            detokenizer = request.detokenizer
-            delta = detokenizer.add_token(token_id)
-            reason = None
-            if (token_id in eos_token_ids or token_id in request.stop_token_ids
-                    or len(token_ids) >= request.max_num_tokens or detokenizer.stop_matched is not None):
-                reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(seq, token_id)
-                if reason is not None:
-                    delta += detokenizer.flush()
-                    self.scheduler.finish(seq, reason)
-                    del requests[seq.request_id]
+    def _check_stops(self, plan, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
+        """After the scheduler appended the sampled tokens: look only at the rows that may stop or are watched
+        (streamed, stop strings, logprobs) to detokenize, check stops and add RequestOutputs. The rest of the
+        batch costs a few numpy calls, not a Python loop."""
+        checks = self._stop_checks
+        if checks is None or checks.seqs != seqs:
+            requests = self.requests
+            checks = self._stop_checks = _StopChecks(seqs, [requests[seq.request_id] for seq in seqs],
+                                                     self.eos_token_ids, self.vocab_size)
+        if plan.decode is not None:
+            lengths = plan.decode.positions + 2  # the position computed, and the token sampled after it
+        else:
+            lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))
+        token_ids = sampled.token_ids
+        for row in checks.rows_to_check(sampled.token_array, lengths):
+            self._check_row(checks.requests[row], token_ids[row], sampled, row, outputs)
+
+    def _check_row(self, request: _Request, token_id: int, sampled, row: int, outputs: list[RequestOutput]) -> None:
+        seq = request.seq
+        if request.watched:  # a row not looked at every step has no cumulative logprob (None in its output)
+            seq.cumulative_logprob += sampled.sampled_logprobs[row]
+        new_logprobs = []
+        if request.wants_logprobs:
+            new_logprobs = [{**(sampled.top_logprobs[row] or {}), token_id: sampled.sampled_logprobs[row]}]
+            seq.logprobs.extend(new_logprobs)
+        detokenizer = request.detokenizer
+        delta = detokenizer.add_token(token_id) if request.needs_text else ""
+        reason = None
+        if (token_id in self.eos_token_ids or token_id in request.stop_token_ids
+                or len(seq.token_ids) >= request.max_num_tokens or detokenizer.stop_matched is not None):
+            reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+                if not request.stream:
+                    outputs.append(self._final_output(request, reason))
+                    return
+                delta += detokenizer.flush()
+        if request.stream:
             outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
-                                         seq.num_prompt_tokens, len(token_ids) - seq.num_prompt_tokens,
-                                         cumulative_logprob, new_logprobs, seq.num_cached_tokens))
+                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
+                                         new_logprobs, seq.num_cached_tokens))
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -184,6 +234,18 @@ class LLMEngine:
         return RequestOutput(seq.request_id, list(token_ids), delta, reason is not None, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
                              list(new_logprobs), seq.num_cached_tokens)
+
+    @staticmethod
+    def _final_output(request: _Request, reason: str) -> RequestOutput:
+        """The one output of a request that is not streamed: all its tokens, text and logprobs."""
+        seq, detokenizer = request.seq, request.detokenizer
+        if not request.needs_text:
+            detokenizer.add(seq.output_token_ids)
+        detokenizer.flush()
+        return RequestOutput(seq.request_id, seq.output_token_ids, detokenizer.text, True, reason,
+                             seq.num_prompt_tokens, seq.num_output_tokens,
+                             seq.cumulative_logprob if request.watched else None, list(seq.logprobs),
+                             seq.num_cached_tokens)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

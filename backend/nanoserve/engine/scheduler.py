@@ -10,8 +10,7 @@ ScheduledSeq per sequence. It makes exactly the decisions the general path would
 from __future__ import annotations
 
 from collections import deque
-from itertools import repeat
-from operator import attrgetter, ge, itemgetter, lt, mul, sub
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -26,28 +25,36 @@ _last = itemgetter(-1)
 
 class RunningRows:
     """Block tables of the running sequences as rows of one array (row i for scheduler.running[i]), with their
-    lengths and the sequences' prompt lengths as lists. A running sequence's table only grows (blocks are
-    appended), so a row is written only for new blocks."""
+    lengths and the sequences' prompt lengths as arrays, so the decode fast path checks every row in a few
+    numpy calls. A running sequence's table only grows (blocks are appended), so a row is written only for
+    new blocks."""
 
     def __init__(self, max_rows: int, max_blocks: int):
-        self.block_tables = np.zeros((max(max_rows, 1), max(max_blocks, 1)), dtype=np.int32)
-        self.num_blocks: list[int] = []
-        self.num_prompt_tokens: list[int] = []
+        rows = max(max_rows, 1)
+        self.block_tables = np.zeros((rows, max(max_blocks, 1)), dtype=np.int32)
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(rows, dtype=np.int64)
+        self.size = 0
+        # (positions, last token ids) of every row, carried over from a decode step to the next one: then
+        # the next step need not read them from the sequences. None after any other change of the rows.
+        self.carry: tuple[np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
-        return len(self.num_blocks)
+        return self.size
 
     def append(self, seq: Sequence) -> None:
-        row = len(self.num_blocks)
+        row = self.size
         if row == len(self.block_tables):
             self._grow(2 * row, self.block_tables.shape[1])
-        self.num_blocks.append(0)
-        self.num_prompt_tokens.append(seq.num_prompt_tokens)
+        self.carry = None
+        self.size += 1
+        self.num_blocks[row] = 0
+        self.num_prompt_tokens[row] = seq.num_prompt_tokens
         self.sync_table(row, seq.block_table)
 
     def sync_table(self, row: int, table: list[int]) -> None:
         """Write the blocks appended to `table` since the row was last written."""
-        old, new = self.num_blocks[row], len(table)
+        old, new = int(self.num_blocks[row]), len(table)
         if new > self.block_tables.shape[1]:
             self._grow(len(self.block_tables), max(new, 2 * self.block_tables.shape[1]))
         self.block_tables[row, old:new] = table[old:]
@@ -55,34 +62,50 @@ class RunningRows:
 
     def remove(self, row: int) -> None:
         """Drop a row; the rows after it move up one, as the sequences after it in `running` do."""
-        del self.num_blocks[row], self.num_prompt_tokens[row]
-        end = len(self.num_blocks)
-        self.block_tables[row:end] = self.block_tables[row + 1:end + 1]
-        self.block_tables[end] = 0  # columns past a row's length stay 0: they are the padding
+        end = self.size
+        for column in (self.block_tables, self.num_blocks, self.num_prompt_tokens):
+            column[row:end - 1] = column[row + 1:end]
+        carry = self.carry
+        self._drop_last()
+        if carry is not None:
+            self.carry = (np.delete(carry[0], row), np.delete(carry[1], row))
 
     def pop(self) -> None:
-        self.num_blocks.pop()
-        self.num_prompt_tokens.pop()
-        self.block_tables[len(self.num_blocks)] = 0
+        self._drop_last()
+
+    def _drop_last(self) -> None:
+        self.carry = None
+        self.size -= 1
+        self.block_tables[self.size] = 0  # columns past a row's length stay 0: they are the padding
+        self.num_blocks[self.size] = 0
 
     def tables(self, num_rows: int) -> np.ndarray:
         """A copy of the first num_rows tables, as wide as the widest of them."""
-        width = max(self.num_blocks[:num_rows], default=0)
-        return self.block_tables[:num_rows, :max(width, 1)].copy()
+        width = int(self.num_blocks[:num_rows].max(initial=1))
+        return self.block_tables[:num_rows, :width].copy()
 
     def _grow(self, rows: int, blocks: int) -> None:
         tables = np.zeros((rows, blocks), dtype=np.int32)
         tables[:len(self.block_tables), :self.block_tables.shape[1]] = self.block_tables
         self.block_tables = tables
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(rows - len(self.num_blocks), np.int64)])
+        self.num_prompt_tokens = np.concatenate([self.num_prompt_tokens,
+                                                 np.zeros(rows - len(self.num_prompt_tokens), np.int64)])
 
     def check(self, running: list[Sequence]) -> None:
         """Assert the rows match the running sequences (a testing aid, O(rows x blocks))."""
-        assert len(self) == len(running) == len(self.num_prompt_tokens), (len(self), len(running))
+        assert self.size == len(running), (self.size, len(running))
         for row, seq in enumerate(running):
             n = len(seq.block_table)
             assert self.num_blocks[row] == n and self.num_prompt_tokens[row] == seq.num_prompt_tokens, seq
             assert self.block_tables[row, :n].tolist() == seq.block_table, (seq, self.block_tables[row, :n])
             assert not self.block_tables[row, n:].any(), (seq, self.block_tables[row])  # zero padding
+        assert not self.block_tables[self.size:].any() and not self.num_blocks[self.size:].any()
+        if self.carry is not None:
+            positions, last_tokens = self.carry
+            assert positions.tolist() == [seq.num_computed_tokens for seq in running]
+            assert last_tokens.tolist() == [seq.token_ids[-1] for seq in running]
+            assert all(seq.num_tokens == seq.num_computed_tokens + 1 for seq in running)
 
 
 class Scheduler:
@@ -193,28 +216,30 @@ class Scheduler:
     def _schedule_decode(self) -> StepPlan | None:
         """Every running sequence decodes its last token; None (nothing changed) when the step is not that:
         a prefill chunk to run, the token budget too small, or too few free blocks to grow the tables (the
-        general path then preempts). The checks are C-level maps over the rows' lists, so a decode step costs
-        a few passes over the sequences and three numpy calls."""
+        general path then preempts). After a decode step the rows' positions and tokens are carried over;
+        otherwise C-level passes over the sequences read them, and numpy calls check them."""
         running, rows, block_manager = self.running, self.rows, self.block_manager
         n = len(running)
         if n == 0 or n > self.max_num_batched_tokens:
             return None
-        positions = list(map(_num_computed_tokens, running))
-        token_ids = list(map(_token_ids, running))
-        if (list(map(sub, map(len, token_ids), positions)).count(1) != n  # one token to compute each...
-                or any(map(lt, positions, rows.num_prompt_tokens))):  # ...and it is not a prompt token
-            return None
-        full = list(map(ge, positions, map(mul, rows.num_blocks, repeat(self.block_size))))  # needs a new block
-        if True in full:
-            growing = [row for row, grows in enumerate(full) if grows]
+        if rows.carry is not None:
+            positions, input_ids = rows.carry
+        else:
+            token_ids = list(map(_token_ids, running))
+            positions = np.fromiter(map(_num_computed_tokens, running), np.int64, n)
+            if ((np.fromiter(map(len, token_ids), np.int64, n) - positions != 1).any()  # one token to compute...
+                    or (positions < rows.num_prompt_tokens[:n]).any()):  # ...and it is not a prompt token
+                return None
+            input_ids = np.fromiter(map(_last, token_ids), np.int64, n)
+        growing = np.flatnonzero(positions >= rows.num_blocks[:n] * self.block_size)  # need a new block
+        if len(growing):
             if not block_manager.can_allocate(len(growing)):
                 return None
-            for row in growing:  # in running order, as the general path allocates
+            for row in growing.tolist():  # in running order, as the general path allocates
                 seq = running[row]
                 block_manager.allocate(seq, 1)
                 rows.sync_table(row, seq.block_table)
-        input_ids = np.fromiter(map(_last, token_ids), np.int64, n)
-        return StepPlan(decode=DecodeBatch(list(running), np.array(positions, np.int64), input_ids, rows.tables(n)))
+        return StepPlan(decode=DecodeBatch(list(running), positions, input_ids, rows.tables(n)))
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         running, scheduled, block_size = self.running, plan.scheduled, self.block_size
@@ -283,11 +308,13 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         return num_new
 
-    def postprocess(self, plan: StepPlan) -> None:
-        """Record the KV computed by the step and register newly full blocks in the prefix cache."""
+    def postprocess(self, plan: StepPlan, sampled_token_ids: list[int] | None = None) -> None:
+        """Record the KV computed by the step and register newly full blocks in the prefix cache. With the
+        step's sampled tokens (one per plan.sampling_seqs, in order) also append them to their sequences."""
         if plan.decode is not None:
-            self._postprocess_decode(plan.decode)
+            self._postprocess_decode(plan.decode, sampled_token_ids)
             return
+        self.rows.carry = None
         block_manager, block_size = self.block_manager, self.block_size
         running = SequenceStatus.RUNNING
         for scheduled in plan.scheduled:
@@ -300,18 +327,34 @@ class Scheduler:
                 self.prompt_tokens_computed += min(end, seq.num_prompt_tokens) - start
             if end // block_size != start // block_size:  # a block became full
                 block_manager.cache_full_blocks(seq)
+        if sampled_token_ids is not None:
+            for seq, token_id in zip(plan.sampling_seqs, sampled_token_ids):
+                if seq.status is running:
+                    seq.token_ids.append(token_id)
 
-    def _postprocess_decode(self, decode: DecodeBatch) -> None:
-        """postprocess for a decode batch: one more computed token per sequence, and a sequence whose block
-        just became full gets it hashed. (Plain Python on purpose: after the forward and the sampler the
-        caches are cold, and a few numpy calls would cost more than this loop.)"""
-        running, block_size = SequenceStatus.RUNNING, self.block_size
-        cache_blocks = self.block_manager.enable_prefix_caching
-        for seq in decode.seqs:
-            if seq.status is running:  # else aborted between schedule() and now: its blocks are gone
-                end = seq.num_computed_tokens = seq.num_computed_tokens + 1
-                if cache_blocks and end % block_size == 0:
-                    self.block_manager.cache_full_blocks(seq)
+    def _postprocess_decode(self, decode: DecodeBatch, sampled_token_ids: list[int] | None) -> None:
+        """postprocess for a decode batch: one more computed token per sequence (and its sampled token), and
+        the sequences whose block just became full get it hashed. With the sampled tokens, the rows' next
+        positions and tokens are carried over to the next decode step."""
+        seqs, running = decode.seqs, SequenceStatus.RUNNING
+        complete = len(self.running) == len(seqs)  # no row was aborted since schedule()
+        if not complete:
+            seqs = [seq if seq.status is running else None for seq in seqs]
+        if sampled_token_ids is None:
+            for seq in seqs:
+                if seq is not None:
+                    seq.num_computed_tokens += 1
+        else:
+            for seq, token_id in zip(seqs, sampled_token_ids):
+                if seq is not None:
+                    seq.num_computed_tokens += 1
+                    seq.token_ids.append(token_id)
+        if self.block_manager.enable_prefix_caching:
+            for row in np.flatnonzero((decode.positions + 1) % self.block_size == 0).tolist():
+                if seqs[row] is not None:
+                    self.block_manager.cache_full_blocks(seqs[row])
+        carried = complete and sampled_token_ids is not None
+        self.rows.carry = (decode.positions + 1, np.array(sampled_token_ids, np.int64)) if carried else None
 
     def check_rows(self) -> None:
         """Assert the fast path's block-table rows match the running sequences (testing aid)."""

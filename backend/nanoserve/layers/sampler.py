@@ -16,6 +16,7 @@ import math
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from nanoserve.engine.sequence import Sequence
@@ -30,6 +31,7 @@ Scalar = float | int
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
+    token_array: np.ndarray = field(compare=False)  # the same ids, int64 [N], for checks over the batch
     sampled_logprobs: list[float]  # log-softmax of the penalized logits at the sampled token
     top_logprobs: list[dict[int, float] | None]  # the n most likely tokens plus the sampled one, when asked
 
@@ -180,10 +182,11 @@ class Sampler:
         else:
             token_ids = self._sample(logits, shifted, weights, meta)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).sub_(log_norm)
-        token_list = token_ids.tolist()
+        token_array = token_ids.cpu().numpy()
+        token_list = token_array.tolist()
         logprob_list = sampled_logprobs.tolist()
         top = _top_logprobs(logits, log_norm, token_list, logprob_list, meta)
-        return SamplerOutput(token_list, logprob_list, top)
+        return SamplerOutput(token_list, token_array, logprob_list, top)
 
     def _sample(self, logits: torch.Tensor, shifted: torch.Tensor, weights: torch.Tensor,
                 meta: SamplingMetadata) -> torch.Tensor:
