@@ -240,6 +240,23 @@ def test_unknown_engine_argument(qwen3_dir):
         LLM(qwen3_dir, max_num_seq=4)
 
 
+@pytest.mark.parametrize("device, gpu_index", [("cpu", None), ("cuda", None), ("cuda:1", 1)])
+def test_device_names_a_gpu(qwen3_dir, device, gpu_index):
+    from nanoserve.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(qwen3_dir, device=device)
+    assert (config.device_type, config.gpu_index) == (device.split(":")[0], gpu_index)
+    assert config.attention_backend == ("torch" if device == "cpu" else "triton")
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cpu:0"])
+def test_bad_device_is_rejected(qwen3_dir, device):
+    from nanoserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="device"):
+        EngineConfig.from_kwargs(qwen3_dir, device=device)
+
+
 def test_default_max_tokens_does_not_truncate_at_16(qwen3_dir, make_llm):
     llm = make_llm(qwen3_dir, max_model_len=64)
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, ignore_eos=True), use_tqdm=False)[0]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -27,7 +28,8 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     dtype: str = "auto"  # auto: the checkpoint's dtype on cuda, float32 on cpu
-    device: str | None = None  # None: cuda when available
+    device: str | None = None  # cpu | cuda | cuda:N (the first GPU; tensor-parallel ranks take N, N+1, ...).
+    # None: cuda when available
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     seed: int = 0
     tokenizer: str | None = None  # None: the model directory
@@ -39,10 +41,10 @@ class EngineConfig:
             raise ValueError(f"model: {self.model!r} is not a directory (expected a Hugging Face checkpoint)")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device: must be 'cpu' or 'cuda', got {self.device!r}")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.attention_backend is None:
-            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+            self.attention_backend = "triton" if self.device_type == "cuda" else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
@@ -72,11 +74,20 @@ class EngineConfig:
                              f"max_position_embeddings ({limit})")
 
     @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def gpu_index(self) -> int | None:
+        """The GPU named by device="cuda:N" (rank 0's under tensor parallelism), None for "cuda" and "cpu"."""
+        return int(self.device.split(":")[1]) if ":" in self.device else None
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         chosen = DTYPES[self.dtype]
         if chosen is not None:
             return chosen
-        if self.device == "cpu":
+        if self.device_type == "cpu":
             return torch.float32
         return getattr(self.hf_config, "torch_dtype", None) or torch.bfloat16
 

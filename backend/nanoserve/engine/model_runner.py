@@ -183,12 +183,15 @@ class ModelRunner:
             dist_port = free_port()
             self.workers = TPWorkers(self.config, dist_port)
             self.workers.wait_ready()
-        init_tp(self.rank, tp, dist_port, self.config.device)
+        init_tp(self.rank, tp, dist_port, self.config.device_type)
 
     def _pick_device(self) -> torch.device:
-        if self.config.device == "cpu":
+        if self.config.device_type == "cpu":
             return torch.device("cpu")
-        index = self.rank if self.config.tensor_parallel_size > 1 else torch.cuda.current_device()
+        first = self.config.gpu_index
+        if first is None:
+            first = 0 if self.config.tensor_parallel_size > 1 else torch.cuda.current_device()
+        index = first + self.rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
 
