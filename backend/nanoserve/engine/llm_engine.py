@@ -84,9 +84,10 @@ class _StopChecks:
             if 0 <= token_id < vocab_size:
                 self.may_stop[token_id] = True
 
-    def rows_to_check(self, token_array: np.ndarray, lengths: np.ndarray) -> list[int]:
-        flagged = self.watched | self.may_stop.take(token_array, mode="clip") | (lengths >= self.max_num_tokens)
-        return np.flatnonzero(flagged).tolist()
+    def rows_to_check(self, token_array: np.ndarray, lengths: np.ndarray) -> tuple[list[int], list[bool]]:
+        """(rows to look at, and per row of the batch whether it may stop this step)."""
+        stopping = self.may_stop.take(token_array, mode="clip") | (lengths >= self.max_num_tokens)
+        return np.flatnonzero(self.watched | stopping).tolist(), stopping.tolist()
 
 
 class LLMEngine:
@@ -177,7 +178,8 @@ class LLMEngine:
     def _check_stops(self, plan, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
         """After the scheduler appended the sampled tokens: look only at the rows that may stop or are watched
         (streamed, stop strings, logprobs) to detokenize, check stops and add RequestOutputs. The rest of the
-        batch costs a few numpy calls, not a Python loop."""
+        batch costs a few numpy calls, not a Python loop; the loop body runs for every streamed request at
+        every step, so it is written out here rather than split into calls."""
         checks = self._stop_checks
         if checks is None or checks.seqs != seqs:
             requests = self.requests
@@ -187,35 +189,36 @@ class LLMEngine:
             lengths = plan.decode.positions + 2  # the position computed, and the token sampled after it
         else:
             lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, len(seqs))
-        token_ids = sampled.token_ids
-        for row in checks.rows_to_check(sampled.token_array, lengths):
-            self._check_row(checks.requests[row], token_ids[row], sampled, row, outputs)
+        token_ids, logprobs = sampled.token_ids, sampled.sampled_logprobs
+        rows, stopping = checks.rows_to_check(sampled.token_array, lengths)
+        for row in rows:
+            request, token_id = checks.requests[row], token_ids[row]
+            seq = request.seq
+            if request.watched:  # a row not looked at every step has no cumulative logprob (None in its output)
+                seq.cumulative_logprob += logprobs[row]
+            new_logprobs = self._new_logprobs(request, token_id, sampled, row) if request.wants_logprobs else []
+            detokenizer = request.detokenizer
+            delta = detokenizer.add_token(token_id) if request.needs_text else ""
+            reason = None
+            if stopping[row] or detokenizer.stop_matched is not None:
+                reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(seq, token_id)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    del self.requests[seq.request_id]
+                    if not request.stream:
+                        outputs.append(self._final_output(request, reason))
+                        continue
+                    delta += detokenizer.flush()
+            if request.stream:
+                outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
+                                             seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
+                                             seq.cumulative_logprob, new_logprobs, seq.num_cached_tokens))
 
-    def _check_row(self, request: _Request, token_id: int, sampled, row: int, outputs: list[RequestOutput]) -> None:
-        seq = request.seq
-        if request.watched:  # a row not looked at every step has no cumulative logprob (None in its output)
-            seq.cumulative_logprob += sampled.sampled_logprobs[row]
-        new_logprobs = []
-        if request.wants_logprobs:
-            new_logprobs = [{**(sampled.top_logprobs[row] or {}), token_id: sampled.sampled_logprobs[row]}]
-            seq.logprobs.extend(new_logprobs)
-        detokenizer = request.detokenizer
-        delta = detokenizer.add_token(token_id) if request.needs_text else ""
-        reason = None
-        if (token_id in self.eos_token_ids or token_id in request.stop_token_ids
-                or len(seq.token_ids) >= request.max_num_tokens or detokenizer.stop_matched is not None):
-            reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(seq, token_id)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                if not request.stream:
-                    outputs.append(self._final_output(request, reason))
-                    return
-                delta += detokenizer.flush()
-        if request.stream:
-            outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
-                                         seq.num_prompt_tokens, seq.num_output_tokens, seq.cumulative_logprob,
-                                         new_logprobs, seq.num_cached_tokens))
+    @staticmethod
+    def _new_logprobs(request: _Request, token_id: int, sampled, row: int) -> list[dict[int, float]]:
+        new_logprobs = [{**(sampled.top_logprobs[row] or {}), token_id: sampled.sampled_logprobs[row]}]
+        request.seq.logprobs.extend(new_logprobs)
+        return new_logprobs
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params

@@ -14,6 +14,10 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
+                 "block_table", "num_computed_tokens", "num_cached_tokens", "finish_reason", "arrival_time",
+                 "logprobs", "cumulative_logprob")  # slots: every step reads and writes these for every sequence
+
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None):
         self.request_id = request_id
