@@ -28,7 +28,7 @@ from nanoserve.serving.ensemble import token_arrays
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import load_engine_args
-from nanoserve.serving.responses import Register, Reject, ResponseThread, Stream, text_arrays
+from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
 
 logger = logging.getLogger(__name__)
 MODES = {  # mode -> (inputs, outputs, prompt input, formatter)
@@ -42,6 +42,19 @@ def _mode(model_config: dict) -> str:
     if mode not in MODES:
         raise pb_utils.TritonModelException(f"mode: must be one of {sorted(MODES)}, got {mode!r}")
     return mode
+
+
+def _send_budget(model_config: dict) -> float:
+    """config.pbtxt parameter `send_budget` (see ResponseThread): the share of wall time streaming may spend
+    sending responses; 1 sends every engine step at once."""
+    value = model_config.get("parameters", {}).get("send_budget", {}).get("string_value", "")
+    try:
+        budget = float(value) if value.strip() else DEFAULT_SEND_BUDGET
+    except ValueError:
+        budget = -1.0
+    if not 0 < budget <= 1:
+        raise pb_utils.TritonModelException(f"send_budget: must be a number in (0, 1], got {value!r}")
+    return budget
 
 
 class TritonPythonModel:
@@ -77,7 +90,7 @@ class TritonPythonModel:
         self.metrics = Metrics(pb_utils, self.name, args["model_version"])
         self.engine_thread = EngineThread(self.engine, self.events).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field).start()
+                                        prompt_field, send_budget=_send_budget(model_config)).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):

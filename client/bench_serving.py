@@ -35,6 +35,8 @@ class RunResult:
     seconds: float
     output_tokens: int
     ttfts: list[float] = dataclasses.field(default_factory=list)
+    responses: int = 0  # served: streamed responses received (the server merges steps under load)
+    client_cpu: float = 0.0  # served: CPU seconds this client process spent meanwhile
 
     @property
     def tokens_per_s(self) -> float:
@@ -42,8 +44,9 @@ class RunResult:
 
     def describe(self, name: str, num_requests: int) -> str:
         ttft = f", mean TTFT {1000 * sum(self.ttfts) / len(self.ttfts):.0f} ms" if self.ttfts else ""
+        client = f" ({self.responses} responses, client CPU {self.client_cpu:.2f} s)" if self.responses else ""
         return (f"{name:>10}: {num_requests} requests, {self.output_tokens} output tokens in {self.seconds:.2f} s "
-                f"= {self.tokens_per_s:.1f} tok/s{ttft}")
+                f"= {self.tokens_per_s:.1f} tok/s{ttft}{client}")
 
 
 def make_prompts(tokenizer_dir: str, num_prompts: int, input_len: int, seed: int) -> list[str]:
@@ -74,11 +77,12 @@ async def run_served(url: str, model: str, prompts: list[str], params: dict, con
 
     client = aioclient.InferenceServerClient(url)
     result, first_seen, finished = RunResult(0.0, 0), set(), 0
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     try:
         async for response, error in client.stream_infer(requests()):
             if error is not None:
                 raise RuntimeError(f"{model}: {error}")
+            result.responses += 1
             request_id = response.get_response().id
             tokens = first_value(response.as_numpy("num_output_tokens"))
             result.output_tokens += int(tokens or 0)
@@ -90,7 +94,7 @@ async def run_served(url: str, model: str, prompts: list[str], params: dict, con
                 slots.release()
                 if finished == len(prompts):
                     break
-        result.seconds = time.perf_counter() - start
+        result.seconds, result.client_cpu = time.perf_counter() - start, time.process_time() - start_cpu
     finally:
         all_done.set()
         await client.close()

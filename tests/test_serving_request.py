@@ -1,6 +1,8 @@
 """Parsing and validation of Triton request tensors (every bad input names its field), and the response
-thread's formatting: pure Python, no server."""
+thread's formatting and pacing: pure Python, no server."""
 import json
+import queue
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,7 +10,8 @@ import pytest
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.serving.request import (OPTIONAL_OUTPUTS, SCALAR_INPUTS, TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS,
                                        parse_request)
-from nanoserve.serving.responses import Stream, merge_outputs, text_arrays
+from nanoserve.serving.engine_thread import StepResult
+from nanoserve.serving.responses import STOP, Register, ResponseThread, Stream, merge_into, text_arrays
 
 
 def text(value) -> np.ndarray:
@@ -144,9 +147,12 @@ def outputs_of(request_id, pieces, reason="length"):
                           i + 1, -0.5 * (i + 1), [{t: -0.5}]) for i, (t, d) in enumerate(pieces)]
 
 
-def test_merge_outputs_joins_a_requests_steps():
+def test_merge_into_joins_a_requests_steps():
     a, b = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")]), outputs_of("b", [(9, " x")])
-    merged = merge_outputs([a[0], b[0], a[1], a[2]])
+    pending = {}
+    merge_into(pending, [a[0], b[0], a[1]])
+    merge_into(pending, [a[2]])
+    merged = list(pending.values())
     assert [m.request_id for m in merged] == ["a", "b"]
     assert merged[0].new_token_ids == [5, 6, 7] and merged[0].text_delta == "Hello"
     assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}]
@@ -167,3 +173,99 @@ def test_text_arrays_streaming_and_not():
     assert sent[2]["num_output_tokens"].tolist() == [3]
     quiet = Stream(None, parse(text_input=text("Hi "), stream=np.array([True])))
     assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0]) is None  # held-back text: nothing sent
+
+
+# ---- the response thread's pacing (driven round by round, with a fake clock and fake Triton objects) -------
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakePb:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    TritonError = SimpleNamespace(INVALID_ARG="INVALID_ARG", INTERNAL="INTERNAL", CANCELLED="CANCELLED",
+                                  UNAVAILABLE="UNAVAILABLE")
+
+    @staticmethod
+    def Tensor(name, array):
+        return name, array
+
+    @staticmethod
+    def InferenceResponse(output_tensors=(), error=None):
+        return {name: array for name, array in output_tensors}
+
+
+class FakeSender:
+    """Records (text, final) per response; each send takes send_seconds of the fake clock."""
+
+    def __init__(self, clock, send_seconds):
+        self.clock, self.send_seconds, self.sent = clock, send_seconds, []
+
+    def send(self, response, flags=0):
+        self.clock.now += self.send_seconds
+        self.sent.append((response["text_output"][0].decode(), bool(flags)))
+
+    def is_cancelled(self):
+        return False
+
+
+def response_thread(clock, send_budget):
+    metrics = SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
+                              record_first_token=lambda *a: None, record_inter_token=lambda s: None,
+                              record_finished=lambda *a: None)
+    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
+                          text_arrays, "text_input", send_budget=send_budget, clock=clock)
+
+
+def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num_steps=8):
+    """num_streams streaming requests through num_steps engine steps, one round per step."""
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget)
+    senders = [FakeSender(clock, send_seconds) for _ in range(num_streams)]
+    for i, sender in enumerate(senders):
+        thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    pieces = [(t, f"w{t} ") for t in range(num_steps)]
+    per_request = [outputs_of(str(i), pieces) for i in range(num_streams)]
+    for step in range(num_steps):
+        clock.now += step_seconds
+        thread.handle_events([StepResult(outputs=[outputs[step] for outputs in per_request], time=clock.now)])
+    assert thread.handle_events([STOP]) and not thread.pending and not thread.streams
+    return senders, "".join(d for _, d in pieces)
+
+
+def test_every_step_is_sent_while_sending_is_cheap():
+    senders, text_ = run_streams(send_budget=0.2, send_seconds=0.001)
+    for sender in senders:
+        assert len(sender.sent) == 8 and sender.sent[-1][1]
+        assert "".join(delta for delta, _ in sender.sent) == text_
+
+
+def test_steps_are_merged_when_sending_would_exceed_the_budget():
+    # a flush of 4 streams takes 0.04 s: with a budget of 0.2 the next comes 0.2 s later, i.e. every 4 steps
+    senders, text_ = run_streams(send_budget=0.2, send_seconds=0.01)
+    for sender in senders:
+        deltas = [delta for delta, _ in sender.sent]
+        assert "".join(deltas) == text_  # nothing lost or repeated
+        assert deltas[0] == "w0 "  # the first response is never held back
+        assert 2 <= len(deltas) <= 4 and sender.sent[-1] == (deltas[-1], True)  # FINAL at once, with the rest
+        assert [final for _, final in sender.sent].count(True) == 1
+
+
+def test_non_streaming_sends_one_response_whatever_the_pacing():
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=0.1)
+    sender = FakeSender(clock, send_seconds=0.05)
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi "))))])
+    for output in outputs_of("a", [(5, "He"), (6, ""), (7, "llo")]):
+        clock.now += 0.01
+        thread.handle_events([StepResult(outputs=[output], time=clock.now)])
+    assert sender.sent == [("Hi Hello", True)] and not thread.streams
+
+
+def test_send_budget_must_be_a_share():
+    for budget in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="send_budget"):
+            response_thread(FakeClock(), budget)

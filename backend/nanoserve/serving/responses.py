@@ -31,6 +31,7 @@ class Stream:
     first_token: float | None = None
     last_token: float | None = None
     cancelled: bool = False
+    responded: bool = False  # a response was sent (the first one is never held back)
     text: str = ""  # non-streaming: accumulated output
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
@@ -50,18 +51,27 @@ class Reject:
 
 
 STOP = object()
+DEFAULT_SEND_BUDGET = 0.1
 
 
 class ResponseThread:
     """formatter(stream, output) -> dict of output arrays to send now, or None (nothing to send yet; never for
     a finished output). It is called before stream.token_ids is extended with output.new_token_ids.
 
-    When sending falls behind the engine, the steps queued meanwhile are merged: one response per request then
-    carries several tokens, so the cost of sending stays per request, not per token.
+    A response costs CPU per response, not per token: an IPC round trip to tritonserver, which then builds it,
+    serializes it and writes it to the client, all on the cores the engine runs on. So outputs wait in
+    `pending`, merged per request, and the regular flush of all of them is paced to take at most
+    `send_budget` of the wall time: after a flush that took d seconds the next comes d / send_budget after it
+    began. With a few streams a flush takes far less than an engine step and every step is sent at once; with
+    many, each response carries the steps that came meanwhile. A request's first and last responses are sent
+    at once: time to first token and end-to-end latency never wait.
     """
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
-                 cancel_check_interval: float = 0.1):
+                 cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
+                 clock=time.monotonic):
+        if not 0 < send_budget <= 1:
+            raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
         self.events = events
         self.engine_thread = engine_thread
@@ -69,7 +79,11 @@ class ResponseThread:
         self.formatter = formatter
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
         self.cancel_check_interval = cancel_check_interval
+        self.send_budget = send_budget
+        self.clock = clock
         self.streams: dict[str, Stream] = {}
+        self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
+        self._next_flush = 0.0  # clock() before which only first and last responses are sent
         self._next_check = 0.0
         self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
 
@@ -84,19 +98,23 @@ class ResponseThread:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            events = self._next_events()
-            stopping = any(event is STOP for event in events)
-            for event in events:  # requests first: the steps below may hold their first outputs
-                if isinstance(event, (Register, Reject)):
-                    self._guarded(self._handle_request_event, event)
-            steps = [event for event in events if isinstance(event, StepResult)]
-            if steps:
-                self._guarded(self._handle_steps, steps)
-            self._guarded(self._check_cancelled)
+        while not self.handle_events(self._next_events(self._wait_time())):
+            pass
         for request_id in list(self.streams):
             self._fail(request_id, "the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
+
+    def handle_events(self, events: list) -> bool:
+        """One round of the loop (called directly by tests); True when STOP came."""
+        stopping = any(event is STOP for event in events)
+        for event in events:  # requests first: the steps below may hold their first outputs
+            if isinstance(event, (Register, Reject)):
+                self._guarded(self._handle_request_event, event)
+        steps = [event for event in events if isinstance(event, StepResult)]
+        if steps:
+            self._guarded(self._handle_steps, steps)
+        self._guarded(self._flush, stopping)
+        self._guarded(self._check_cancelled)
+        return stopping
 
     @staticmethod
     def _guarded(handler, *args) -> None:
@@ -112,10 +130,16 @@ class ResponseThread:
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
-    def _next_events(self) -> list:
-        """The next event (waiting at most until the next cancellation check) and all queued behind it."""
+    def _wait_time(self) -> float:
+        """Until the next cancellation check, or the next flush when outputs are pending."""
+        now = self.clock()
+        wait = max(self._next_check - now, 0.001)
+        return min(wait, max(self._next_flush - now, 0.0)) if self.pending else wait
+
+    def _next_events(self, timeout: float) -> list:
+        """The next event (waiting at most `timeout` seconds) and all queued behind it."""
         try:
-            events = [self.events.get(timeout=self.cancel_check_interval)]
+            events = [self.events.get(timeout=timeout)] if timeout > 0 else [self.events.get_nowait()]
         except queue.Empty:
             return []
         while True:
@@ -131,21 +155,37 @@ class ResponseThread:
                 self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
-        for output in merge_outputs([output for step in steps for output in step.outputs]):
-            try:
-                self._on_output(output)
-            except Exception:  # this request fails, not the others
-                logger.exception("nanoserve: sending a response failed")
-                self.engine_thread.abort(output.request_id)
-                self._fail(output.request_id, "internal error: sending a response failed",
-                           self.pb.TritonError.INTERNAL)
+        merge_into(self.pending, (output for step in steps for output in step.outputs))
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
+
+    def _flush(self, force: bool = False) -> None:
+        """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
+        start = self.clock()
+        regular = force or start >= self._next_flush
+        due = [o for o in self.pending.values() if regular or self._urgent(o)]
+        for output in due:
+            del self.pending[output.request_id]
+            self._send_output(output)
+        if regular and due:
+            self._next_flush = start + (self.clock() - start) / self.send_budget
+
+    def _urgent(self, output) -> bool:
+        stream = self.streams.get(output.request_id)
+        return output.finished or stream is None or stream.cancelled or not stream.responded
+
+    def _send_output(self, output) -> None:
+        try:
+            self._on_output(output)
+        except Exception:  # this request fails, not the others
+            logger.exception("nanoserve: sending a response failed")
+            self.engine_thread.abort(output.request_id)
+            self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: abort the requests whose client cancelled (frees their KV blocks);
         the engine's "abort" output then ends the stream with a CANCELLED error."""
-        now = time.monotonic()
+        now = self.clock()
         if now < self._next_check:
             return
         self._next_check = now + self.cancel_check_interval
@@ -169,6 +209,7 @@ class ResponseThread:
             self._finish(output.request_id, output, arrays)
         elif arrays is not None:
             stream.sender.send(self._response(arrays))
+            stream.responded = True
 
     def _record_timing(self, step: StepResult) -> None:
         """TTFT and one inter-token latency per token, from the time the engine step produced them."""
@@ -213,16 +254,14 @@ class ResponseThread:
         return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
 
 
-def merge_outputs(outputs: list) -> list:
-    """One output per request: consecutive steps' outputs of a request joined (tokens, text, logprobs), the
-    latest counts and finish state kept. Order: each request's first appearance."""
-    merged = {}
+def merge_into(pending: dict, outputs) -> None:
+    """Add outputs to pending (request_id -> output), one per request: a request's consecutive outputs joined
+    (tokens, text, logprobs), the latest counts and finish state kept."""
     for output in outputs:
-        earlier = merged.get(output.request_id)
-        merged[output.request_id] = output if earlier is None else dataclasses.replace(
+        earlier = pending.get(output.request_id)
+        pending[output.request_id] = output if earlier is None else dataclasses.replace(
             output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
             text_delta=earlier.text_delta + output.text_delta, new_logprobs=earlier.new_logprobs + output.new_logprobs)
-    return list(merged.values())
 
 
 # ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
