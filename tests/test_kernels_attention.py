@@ -233,3 +233,61 @@ def test_paged_attention_graph_padded_decode_batch(num_splits):
     expected = ref.paged_decode_ref(batch.q[real].float(), k, v, batch.block_tables[real], batch.seq_lens[real],
                                     batch.scale)
     assert_close(out[real], expected)
+
+
+# ----------------------------------------------------------------------- torch backend (per-step plan)
+
+def new_token_slots(batch: PagedBatch, q_lens) -> torch.Tensor:
+    """The cache slots of each sequence's last q_len positions: this step's new tokens."""
+    block_size = batch.k_cache.shape[1]
+    slots = []
+    for b, (q_len, ctx) in enumerate(zip(q_lens, batch.seq_lens.tolist())):
+        pos = torch.arange(ctx - q_len, ctx)
+        slots.append(batch.block_tables[b].cpu()[pos // block_size].long() * block_size + pos % block_size)
+    return torch.cat(slots).to(batch.q.device)
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("block_size,group", [(16, 1), (16, 4), (32, 8), (256, 2)])
+def test_planned_torch_attention_matches_reference(scenario, block_size, group):
+    q_lens, seq_lens = SCENARIOS[scenario]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=1 if group == 8 else 2,
+                       group=group, seed=block_size + group, dtype=torch.float32)
+    k_cache, v_cache = batch.k_cache.nan_to_num(0.0), batch.v_cache.nan_to_num(0.0)
+    slots = new_token_slots(batch, q_lens)
+    k_new, v_new = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+    plan = ref.plan_paged_attention(slots, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                    block_size, torch.float32)
+    expected = batch.reference()
+    for _ in range(2):  # one plan serves every layer
+        out = ref.paged_attention_planned(batch.q, k_new, v_new, k_cache, v_cache, plan, batch.scale)
+        assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pad_every", [0, 3])
+def test_planned_store_kvcache_matches_reference(pad_every):
+    gen = torch.Generator().manual_seed(pad_every)
+    k, v = torch.randn(2, 12, 2, 8, generator=gen).to(DEVICE)
+    slots = torch.randperm(4 * 16, generator=gen)[:12].to(DEVICE)
+    if pad_every:
+        slots[::pad_every] = -1
+    cache = torch.full((4, 16, 2, 8), float("nan"), device=DEVICE)
+    caches = [cache.clone() for _ in range(4)]
+    plan = ref.plan_paged_attention(slots, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+                                    torch.tensor([0, 12], dtype=torch.int32, device=DEVICE),
+                                    torch.tensor([12], dtype=torch.int32, device=DEVICE), 16, torch.float32)
+    assert plan.all_slots_valid == (pad_every == 0)
+    ref.store_kvcache_planned(k, v, caches[0], caches[1], plan)
+    ref.store_kvcache_ref(k, v, caches[2], caches[3], slots)
+    for got, expected in zip(caches[:2], caches[2:]):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True)
+
+
+def test_similar_lengths_bounds_padding():
+    seq_lens = [100, 7, 1, 70, 300, 257, 120, 124]
+    for max_pad in (1.25, 1.5):
+        groups = ref._similar_lengths(list(range(len(seq_lens))), seq_lens, max_pad)
+        assert sorted(r for g in groups for r in g) == list(range(len(seq_lens)))
+        for g in groups:
+            lens = [seq_lens[r] for r in g]
+            assert max(lens) <= max_pad * min(lens)

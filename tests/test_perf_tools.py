@@ -65,7 +65,9 @@ def test_perf_analyzer_grpc_streaming(nanoserve_server, tmp_path):
     with open(tmp_path / "results.csv") as f:
         row = next(csv.DictReader(f))
     assert float(row["Inferences/Second"]) > 0
-    assert float(row["Response Throughput"]) >= 8 * float(row["Inferences/Second"]) * 0.9  # ~8 responses each
+    # streamed: at least a first response and a final one per request (up to 8: the response thread merges the
+    # steps of a stream when sending them one by one would cost more than send_budget of the time)
+    assert float(row["Response Throughput"]) >= 2 * float(row["Inferences/Second"]) * 0.9
 
 
 @pytest.mark.skipif(GENAI_PERF is None, reason=f"genai-perf or perf_analyzer {SETUP}")

@@ -146,6 +146,7 @@ class ModelRunner:
         self.workers = None
         self.graphs = None
         self.sampler = None
+        self.attention_workspace: dict = {}  # scratch buffers of the torch attention backend, reused every step
         self._sampling = None  # (seqs, eos_token_id, SamplingMetadata) of the last step, reused when the
         # next step samples the same sequences
         self._closed = False
@@ -290,7 +291,8 @@ class ModelRunner:
             batch.query_start_loc, batch.seq_lens, batch.block_tables)
         meta = AttentionMetadata(slot_mapping=slots, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=block_tables, max_query_len=batch.max_query_len,
-                                 max_seq_len=batch.max_seq_len, is_decode_only=batch.max_query_len == 1)
+                                 max_seq_len=batch.max_seq_len, is_decode_only=batch.max_query_len == 1,
+                                 workspace=self.attention_workspace)
         return input_ids, positions, meta, sample_rows
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:

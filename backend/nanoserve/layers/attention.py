@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.reference import paged_attention_ref, store_kvcache_ref
+from nanoserve.kernels.reference import (AttentionPlan, paged_attention_planned, plan_paged_attention,
+                                         store_kvcache_planned, store_kvcache_ref)
 from nanoserve.layers.activation import cuda_op
 
 
@@ -30,13 +31,17 @@ class AttentionMetadata:
     max_seq_len: int
     is_decode_only: bool  # every row has exactly one query token
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, built on first use by flash_attn
+    torch_plan: AttentionPlan | None = None  # built by the first layer of the torch backend, used by all
+    workspace: dict | None = None  # the torch backend's gather buffers, kept by the model runner between steps
 
 
 def _torch_backend():
     def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                   meta.seq_lens, scale)
+        if meta.torch_plan is None:
+            meta.torch_plan = plan_paged_attention(meta.slot_mapping, meta.block_tables, meta.query_start_loc,
+                                                   meta.seq_lens, k_cache.shape[1], q.dtype, meta.workspace)
+        store_kvcache_planned(k, v, k_cache, v_cache, meta.torch_plan)
+        return paged_attention_planned(q, k, v, k_cache, v_cache, meta.torch_plan, scale)
     return attend
 
 
