@@ -1,8 +1,9 @@
-"""Offline throughput: nano-vllm's workload shape, nanoserve vs HF transformers `generate`, one run.
+"""Offline throughput: nano-vllm's workload shape, nanoserve vs HF transformers `generate`, in one run.
 
 N sequences of random token ids, prompt and output lengths uniform in [min_len, max_len], ignore_eos.
-Prints output tokens / wall time for each and the ratio. Builds a random-weight Qwen3-shaped model locally
-unless --model is given.
+Prints output tokens / wall time for each and the ratio; with --rounds R the two alternate R times, each round
+on a new workload, and the median ratio is printed last. nanoserve is timed after a warm-up workload of the
+same shape. Builds a random-weight Qwen3-shaped model locally unless --model is given.
 
     python client/bench_offline.py --num-seqs 64 --min-len 16 --max-len 256            # CPU-sized
     python client/bench_offline.py --model DIR --num-seqs 256 --min-len 100 --max-len 1024 --device cuda
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 
@@ -38,31 +40,49 @@ def make_workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: i
 
 def bench_nanoserve(model: str, prompts, output_lens, engine_args: dict, temperature: float,
                     warmup_prompts) -> tuple[float, int, dict]:
-    """(seconds, output tokens, engine stats) of one timed `generate`, after a warm-up on other prompts (so the
-    timed run gets no prefix-cache hits from it) decoding as far as the longest output: the first long contexts
-    pay one-off allocation costs (page faults, allocator growth) that a running server has already paid."""
-    from nanoserve import LLM, SamplingParams
-
-    llm = LLM(model, **engine_args)
+    """(seconds, output tokens, engine stats) of one timed `generate`, after a warm-up (see warmed_up_llm)."""
+    llm = warmed_up_llm(model, engine_args, temperature, warmup_prompts, [max(output_lens)] * len(warmup_prompts))
     try:
-        warmup = SamplingParams(temperature=temperature, max_tokens=max(output_lens), ignore_eos=True)
-        llm.generate(warmup_prompts, warmup, use_tqdm=False)
-        params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        return seconds, sum(len(o.token_ids) for o in outputs), llm.stats()
+        seconds, tokens = time_nanoserve(llm, prompts, output_lens, temperature)
+        return seconds, tokens, llm.stats()
     finally:
         llm.shutdown()
 
 
-@torch.inference_mode()
+def warmed_up_llm(model: str, engine_args: dict, temperature: float, warmup_prompts, warmup_lens: list[int]):
+    """An LLM that has generated warmup_lens tokens for other prompts (so timed runs get no prefix-cache hits from
+    them): the first long contexts and large batches pay one-off costs (page faults, allocator and workspace
+    growth) that a running server has already paid."""
+    from nanoserve import LLM
+
+    llm = LLM(model, **engine_args)
+    time_nanoserve(llm, warmup_prompts, warmup_lens, temperature)
+    return llm
+
+
+def time_nanoserve(llm, prompts, output_lens, temperature: float) -> tuple[float, int]:
+    from nanoserve import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
+
+
 def bench_hf(model: str, prompts, output_lens, device: str, batch_size: int, temperature: float):
-    """HF static batching: left-padded batches, each run to its longest requested output."""
+    return time_hf(load_hf(model, device), prompts, output_lens, device, batch_size, temperature)
+
+
+def load_hf(model: str, device: str):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
-    hf = hf.to(device).eval()
+    return hf.to(device).eval()
+
+
+@torch.inference_mode()
+def time_hf(hf, prompts, output_lens, device: str, batch_size: int, temperature: float) -> tuple[float, int]:
+    """HF static batching: left-padded batches, each run to its longest requested output."""
     pad = hf.config.eos_token_id or 0
     useful, start = 0, time.perf_counter()
     for i in range(0, len(prompts), batch_size):
@@ -91,6 +111,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate nanoserve and HF this many times, each round on a new workload; on a "
+                             "shared machine whose speed drifts, the median ratio is the steadier figure")
     args = parser.parse_args()
 
     model = args.model or build_bench_model(args.hidden, args.layers)
@@ -101,16 +124,30 @@ def main() -> None:
                    **dict(kv.split("=", 1) for kv in args.engine_arg)}
     print(f"model={model} device={args.device} seqs={args.num_seqs} lens=[{args.min_len},{args.max_len}] "
           f"torch_threads={torch.get_num_threads()} engine_args={engine_args}")
-    warmup_prompts, _ = make_workload(2, args.min_len, args.max_len, vocab, args.seed + 1)
-    seconds, tokens, _ = bench_nanoserve(model, prompts, output_lens, engine_args, args.temperature, warmup_prompts)
-    ours = tokens / seconds
-    print(f"nanoserve: {tokens} output tokens in {seconds:.2f} s = {ours:.1f} tok/s")
-    if not args.skip_hf:
-        seconds, tokens = bench_hf(model, prompts, output_lens, args.device, args.hf_batch_size or args.num_seqs,
-                                   args.temperature)
-        theirs = tokens / seconds
-        print(f"HF generate: {tokens} output tokens in {seconds:.2f} s = {theirs:.1f} tok/s")
-        print(f"ratio nanoserve / HF = {ours / theirs:.2f}x")
+    # the warm-up is a workload of the same shape: a first run at full batch pays one-off costs (allocator and
+    # workspace growth) that a running server has already paid
+    warmup_prompts, warmup_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab, args.seed + 1)
+    llm = warmed_up_llm(model, engine_args, args.temperature, warmup_prompts, warmup_lens)
+    hf = None if args.skip_hf else load_hf(model, args.device)
+    ratios = []
+    for round_ in range(args.rounds):  # each round a new workload (no prefix-cache hits), the same for both
+        if round_:
+            prompts, output_lens = make_workload(args.num_seqs, args.min_len, args.max_len, vocab,
+                                                 args.seed + 100 * round_)
+        seconds, tokens = time_nanoserve(llm, prompts, output_lens, args.temperature)
+        ours = tokens / seconds
+        print(f"round {round_}: nanoserve: {tokens} output tokens in {seconds:.2f} s = {ours:.1f} tok/s")
+        if hf is not None:
+            seconds, tokens = time_hf(hf, prompts, output_lens, args.device, args.hf_batch_size or args.num_seqs,
+                                      args.temperature)
+            theirs = tokens / seconds
+            ratios.append(ours / theirs)
+            print(f"round {round_}: HF generate: {tokens} output tokens in {seconds:.2f} s = {theirs:.1f} tok/s  "
+                  f"ratio {ratios[-1]:.2f}x")
+    llm.shutdown()
+    if ratios:
+        print(f"ratio nanoserve / HF = {statistics.median(ratios):.2f}x (median of {len(ratios)} round(s): "
+              f"{', '.join(f'{r:.2f}' for r in ratios)})")
 
 
 if __name__ == "__main__":

@@ -85,7 +85,9 @@ def test_counters_and_histograms_match_the_traffic(server, llm):
                  "generation_length_tokens"):
         assert delta(after, before, f"nanoserve_{name}_count") == k
         assert after[f"nanoserve_{name}_bucket{{le=+Inf}}"] == after[f"nanoserve_{name}_count"]
-    assert delta(after, before, "nanoserve_inter_token_latency_seconds_count") == generated - k
+    assert delta(after, before, "nanoserve_inter_token_latency_seconds_count") == k  # one mean per request
+    mean_itl = delta(after, before, "nanoserve_inter_token_latency_seconds_sum") / k
+    assert 0 < mean_itl < delta(after, before, "nanoserve_e2e_request_latency_seconds_sum") / k
     assert delta(after, before, "nanoserve_prompt_length_tokens_sum") == prompt_tokens
     assert delta(after, before, "nanoserve_generation_length_tokens_sum") == generated
     assert after["nanoserve_kv_blocks_used"] == 0 and after["nanoserve_requests_running"] == 0

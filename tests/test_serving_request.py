@@ -209,7 +209,8 @@ class FakeSender:
         self.sent.append((response["text_output"][0].decode(), bool(flags)))
 
     def is_cancelled(self):
-        return False
+        self.checks = getattr(self, "checks", 0) + 1
+        return getattr(self, "cancelled", False)
 
 
 def response_thread(clock, send_budget):
@@ -269,3 +270,23 @@ def test_send_budget_must_be_a_share():
     for budget in (0, -1, 1.5):
         with pytest.raises(ValueError, match="send_budget"):
             response_thread(FakeClock(), budget)
+
+
+def test_cancellation_checks_take_turns_across_many_streams():
+    from nanoserve.serving.responses import CANCEL_CHECKS_PER_ROUND
+
+    clock = FakeClock()
+    aborted = []
+    thread = response_thread(clock, send_budget=0.1)
+    thread.engine_thread = SimpleNamespace(abort=aborted.append)
+    senders = [FakeSender(clock, 0.0) for _ in range(2 * CANCEL_CHECKS_PER_ROUND + 3)]  # 3 rounds for everyone
+    for i, sender in enumerate(senders):
+        thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    senders[-1].cancelled = True
+    for round_ in range(3):
+        clock.now += thread.cancel_check_interval
+        before = sum(getattr(s, "checks", 0) for s in senders)
+        thread.handle_events([])
+        assert sum(getattr(s, "checks", 0) for s in senders) - before <= CANCEL_CHECKS_PER_ROUND
+    assert all(getattr(s, "checks", 0) >= 1 for s in senders)  # every stream was asked within 3 rounds
+    assert aborted == [str(len(senders) - 1)]

@@ -33,8 +33,8 @@ class Metrics:
         self.finished = {r: finished.Metric(labels={**self._labels, "reason": r}) for r in FINISH_REASONS}
         self.ttft = self._metric(histogram, "nanoserve_time_to_first_token_seconds", "Time to first token",
                                  TTFT_BUCKETS)
-        self.itl = self._metric(histogram, "nanoserve_inter_token_latency_seconds", "Time between output tokens",
-                                ITL_BUCKETS)
+        self.itl = self._metric(histogram, "nanoserve_inter_token_latency_seconds",
+                                "Mean time between output tokens, one sample per finished request", ITL_BUCKETS)
         self.e2e = self._metric(histogram, "nanoserve_e2e_request_latency_seconds", "Request latency, arrival to "
                                 "last token", E2E_BUCKETS)
         self.prompt_length = self._metric(histogram, "nanoserve_prompt_length_tokens", "Prompt length of finished "
