@@ -27,7 +27,7 @@ from nanoserve.serving import request as contract
 from nanoserve.serving.ensemble import token_arrays
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import load_engine_args
+from nanoserve.serving.model_json import instance_device, load_engine_args
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class TritonPythonModel:
         self.mode = _mode(model_config)
         _, _, prompt_field, formatter = MODES[self.mode]
         self.name = args["model_name"]
-        engine_args = load_engine_args(args["model_repository"], args["model_version"])
+        engine_args = instance_device(load_engine_args(args["model_repository"], args["model_version"]),
+                                      args["model_instance_kind"], args["model_instance_device_id"])
 
         from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
         from nanoserve.engine.llm_engine import LLMEngine

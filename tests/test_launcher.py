@@ -220,3 +220,14 @@ def test_cli_serve_stops_on_signal(echo_repository, sig):
             kill_group(triton)
         cli.wait()
         cli.stdout.close()
+
+
+@pytest.mark.parametrize("kind, engine_args, device", [
+    ("GPU", {"model": "m"}, "cuda:1"),  # KIND_GPU: the instance's GPU
+    ("GPU", {"model": "m", "device": "cpu"}, "cpu"),  # model.json names the device: it wins
+    ("MODEL", {"model": "m"}, None),  # KIND_MODEL: the engine chooses
+])
+def test_instance_device(kind, engine_args, device):
+    from nanoserve.serving.model_json import instance_device
+
+    assert instance_device(engine_args, kind, "1").get("device") == device

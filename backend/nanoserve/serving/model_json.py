@@ -33,3 +33,11 @@ def tokenizer_dir(model_dir: str, version: str = "1") -> str:
     """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it)."""
     args = load_engine_args(model_dir, version)
     return args.get("tokenizer") or args["model"]
+
+
+def instance_device(engine_args: dict, instance_kind: str, device_id: str | int) -> dict:
+    """A KIND_GPU instance runs on the GPU Triton gave it (instance_group [{ kind: KIND_GPU, gpus: [0, 1] }] makes
+    one per GPU); model.json's "device" wins when it names one. KIND_MODEL leaves the choice to the engine."""
+    if instance_kind != "GPU" or "device" in engine_args:
+        return engine_args
+    return {**engine_args, "device": f"cuda:{int(device_id)}"}
