@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.serving.launcher import SHM_DIR, TritonServer, free_ports, make_model_repository
+from nanoserve.serving.launcher import (SHM_DIR, TritonServer, free_ports, group_members,  # noqa: F401 (processes:
+                                        make_model_repository, processes)                 # for test_launcher)
 
 # Small CPU KV cache: a stub with the default 1 GiB takes ~1.4 GB of memory.
 TEST_ENGINE_ARGS = {"device": "cpu", "cpu_kvcache_space_gib": 0.125}
@@ -41,23 +42,6 @@ def running_server(model_repository, log_dir, models=(), timeout: float = LOAD_T
 def tiny_repository(dest, checkpoint, models=("nanoserve",), **engine_args) -> Path:
     """A copy of the repo's model_repository/ (only `models`) serving checkpoint."""
     return make_model_repository(dest, checkpoint, models=list(models), **{**TEST_ENGINE_ARGS, **engine_args})
-
-
-def processes() -> list[tuple[int, str, int, int]]:
-    """(pid, state, ppid, pgid) of every process, from /proc/PID/stat."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
-        except OSError:  # exited meanwhile
-            continue
-        found.append((int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
-    return found
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes in a process group (tritonserver and its stubs share one)."""
-    return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
 
 
 def shm_regions(prefix: str) -> list[str]:

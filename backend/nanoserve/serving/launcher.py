@@ -245,12 +245,17 @@ class TritonServer:
         self._cleanup()
         return self.process.returncode
 
-    def _kill_group(self) -> None:
+    def _kill_group(self, timeout: float = 10.0) -> None:
+        """SIGKILL the process group and wait until it is gone: a killed stub lingers a moment (it may be in
+        the middle of a page fault) before it dies."""
         try:
             os.killpg(self.process.pid, signal.SIGKILL)  # stubs share tritonserver's process group
         except (ProcessLookupError, PermissionError):
             pass
         self.process.wait()
+        deadline = time.monotonic() + timeout
+        while group_members(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _cleanup(self) -> None:
         for region in SHM_DIR.glob(self.shm_prefix + "*"):
@@ -281,6 +286,23 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgid) of every process, from /proc/PID/stat."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:  # exited meanwhile
+            continue
+        found.append((int(stat.parent.name), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in a process group (tritonserver and its stubs share one)."""
+    return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
 
 
 def serve_until_signal(server: TritonServer) -> int:
