@@ -78,6 +78,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("nanoserve needs a decoupled model: model_transaction_policy "
                                                 "{ decoupled: true }")
         self.mode = _mode(model_config)
+        send_budget = _send_budget(model_config)  # checked before the engine loads
         _, _, prompt_field, formatter = MODES[self.mode]
         self.name = args["model_name"]
         engine_args = instance_device(load_engine_args(args["model_repository"], args["model_version"]),
@@ -91,7 +92,7 @@ class TritonPythonModel:
         self.metrics = Metrics(pb_utils, self.name, args["model_version"])
         self.engine_thread = EngineThread(self.engine, self.events).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field, send_budget=_send_budget(model_config)).start()
+                                        prompt_field, send_budget=send_budget).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):

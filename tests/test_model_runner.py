@@ -328,9 +328,7 @@ def test_decode_batch_from_arrays_equals_the_general_build():
             assert a.dtype == b.dtype and np.array_equal(a, b), (step, name, a, b)
         assert (fast.max_query_len, fast.max_seq_len) == (general.max_query_len, general.max_seq_len)
         decode_plans += plan.decode is not None
-        scheduler.postprocess(plan)
-        for seq in plan.sampling_seqs:
-            seq.append_token(7 + step)
+        scheduler.postprocess(plan, [7 + step] * len(plan.sampling_seqs))
     assert decode_plans == 11
 
 

@@ -212,7 +212,7 @@ def test_aborted_between_schedule_and_postprocess_is_skipped():
     add(scheduler, "a", range(10))
     plan = scheduler.schedule()
     scheduler.abort("a")
-    scheduler.postprocess(plan)
+    scheduler.postprocess(plan, [7])
     assert scheduler.prompt_tokens_computed == 0
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
 
@@ -339,8 +339,9 @@ def test_aborted_between_schedule_and_postprocess_of_a_decode_step_is_skipped():
     plan = scheduler.schedule()
     assert plan.decode is not None
     scheduler.abort("a")
-    scheduler.postprocess(plan)
+    scheduler.postprocess(plan, [7, 8])
     assert a.num_computed_tokens == 0 and a.block_table == [] and b.num_computed_tokens == 5
+    assert a.num_tokens == 4 and b.token_ids[-1] == 8  # the aborted row gets no token
     scheduler.check_rows()
     scheduler.block_manager.check_invariants(scheduler.running)
 

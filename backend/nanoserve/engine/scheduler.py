@@ -65,16 +65,15 @@ class RunningRows:
         end = self.size
         for column in (self.block_tables, self.num_blocks, self.num_prompt_tokens):
             column[row:end - 1] = column[row + 1:end]
-        carry = self.carry
-        self._drop_last()
-        if carry is not None:
-            self.carry = (np.delete(carry[0], row), np.delete(carry[1], row))
+        self._clear_last()
+        if self.carry is not None:  # the carried rows move up too
+            self.carry = (np.delete(self.carry[0], row), np.delete(self.carry[1], row))
 
     def pop(self) -> None:
-        self._drop_last()
-
-    def _drop_last(self) -> None:
+        self._clear_last()
         self.carry = None
+
+    def _clear_last(self) -> None:
         self.size -= 1
         self.block_tables[self.size] = 0  # columns past a row's length stay 0: they are the padding
         self.num_blocks[self.size] = 0
@@ -308,9 +307,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         return num_new
 
-    def postprocess(self, plan: StepPlan, sampled_token_ids: list[int] | None = None) -> None:
-        """Record the KV computed by the step and register newly full blocks in the prefix cache. With the
-        step's sampled tokens (one per plan.sampling_seqs, in order) also append them to their sequences."""
+    def postprocess(self, plan: StepPlan, sampled_token_ids: list[int]) -> None:
+        """Record the KV computed by the step, append the step's sampled tokens (one per plan.sampling_seqs,
+        in order) to their sequences, and register newly full blocks in the prefix cache."""
         if plan.decode is not None:
             self._postprocess_decode(plan.decode, sampled_token_ids)
             return
@@ -327,34 +326,27 @@ class Scheduler:
                 self.prompt_tokens_computed += min(end, seq.num_prompt_tokens) - start
             if end // block_size != start // block_size:  # a block became full
                 block_manager.cache_full_blocks(seq)
-        if sampled_token_ids is not None:
-            for seq, token_id in zip(plan.sampling_seqs, sampled_token_ids):
-                if seq.status is running:
-                    seq.token_ids.append(token_id)
+        for seq, token_id in zip(plan.sampling_seqs, sampled_token_ids):
+            if seq.status is running:
+                seq.token_ids.append(token_id)
 
-    def _postprocess_decode(self, decode: DecodeBatch, sampled_token_ids: list[int] | None) -> None:
-        """postprocess for a decode batch: one more computed token per sequence (and its sampled token), and
-        the sequences whose block just became full get it hashed. With the sampled tokens, the rows' next
-        positions and tokens are carried over to the next decode step."""
+    def _postprocess_decode(self, decode: DecodeBatch, sampled_token_ids: list[int]) -> None:
+        """postprocess for a decode batch: one more computed token and the sampled token per sequence, and
+        the sequences whose block just became full get it hashed. The rows' next positions and tokens are
+        carried over to the next decode step."""
         seqs, running = decode.seqs, SequenceStatus.RUNNING
         complete = len(self.running) == len(seqs)  # no row was aborted since schedule()
         if not complete:
             seqs = [seq if seq.status is running else None for seq in seqs]
-        if sampled_token_ids is None:
-            for seq in seqs:
-                if seq is not None:
-                    seq.num_computed_tokens += 1
-        else:
-            for seq, token_id in zip(seqs, sampled_token_ids):
-                if seq is not None:
-                    seq.num_computed_tokens += 1
-                    seq.token_ids.append(token_id)
+        for seq, token_id in zip(seqs, sampled_token_ids):
+            if seq is not None:
+                seq.num_computed_tokens += 1
+                seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
             for row in np.flatnonzero((decode.positions + 1) % self.block_size == 0).tolist():
                 if seqs[row] is not None:
                     self.block_manager.cache_full_blocks(seqs[row])
-        carried = complete and sampled_token_ids is not None
-        self.rows.carry = (decode.positions + 1, np.array(sampled_token_ids, np.int64)) if carried else None
+        self.rows.carry = (decode.positions + 1, np.array(sampled_token_ids, np.int64)) if complete else None
 
     def check_rows(self) -> None:
         """Assert the fast path's block-table rows match the running sequences (testing aid)."""
