@@ -74,16 +74,24 @@ def _wrap_phases(engine, timer: PhaseTimer, phases: bool) -> None:
     timer.wrap(runner, "sampler", "sampler")
 
 
-def stub_device_work(engine, num_seqs: int, steps: int, seed: int = 0) -> None:
-    """Forward, LM head and sampler -> outputs made beforehand: a step is host work only."""
+def stub_device_work(engine, num_seqs: int, steps: int, evict_mb: int = 0, seed: int = 0) -> None:
+    """Forward, LM head and sampler -> outputs made beforehand: a step is host work only. evict_mb > 0: the
+    stand-in forward reads that many MB twice, evicting the CPU caches as a real CPU forward does (its time is
+    the forward column, not the overhead)."""
     from nanoserve.layers.sampler import SamplerOutput
 
     runner, hf = engine.model_runner, engine.config.hf_config
     hidden = torch.zeros(num_seqs, hf.hidden_size)
     logits = torch.zeros(num_seqs, hf.vocab_size)
+    scratch = torch.ones(evict_mb * 2 ** 18)  # float32: evict_mb MB
     generator = torch.Generator().manual_seed(seed)
     token_rows = iter(torch.randint(0, hf.vocab_size, (steps + 2, num_seqs), generator=generator).numpy())
-    runner.model.forward = lambda *args, **kwargs: hidden[:len(args[0])]
+
+    def forward(input_ids, *args, **kwargs):
+        for _ in range(2 if evict_mb else 0):
+            scratch.sum()
+        return hidden[:len(input_ids)]
+    runner.model.forward = forward
     runner.model.compute_logits = lambda h: logits[:len(h)]
 
     def sample(logits, meta):
@@ -93,7 +101,7 @@ def stub_device_work(engine, num_seqs: int, steps: int, seed: int = 0) -> None:
 
 
 def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bool = False,
-            stream: bool = False, host_only: bool = False) -> dict:
+            stream: bool = False, host_only: bool = False, evict_mb: int = 0) -> dict:
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling_params import SamplingParams
 
@@ -106,7 +114,7 @@ def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bo
         engine.step()
     engine.step()  # first decode step: warms caches built on the first decode
     if host_only:
-        stub_device_work(engine, num_seqs, steps)
+        stub_device_work(engine, num_seqs, steps, evict_mb)
     timer = PhaseTimer()
     _wrap_phases(engine, timer, phases)
     rows = []
@@ -146,6 +154,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["generate", "stream"], default=["generate", "stream"],
                         help="generate: outputs only when a request finishes (as LLM.generate); stream: a "
                              "RequestOutput with a text delta per request per step (as the Triton backend)")
+    parser.add_argument("--evict-mb", type=int, default=0,
+                        help="with --host-only: the stand-in forward reads this many MB, evicting the CPU caches")
     parser.add_argument("--host-only", action="store_true",
                         help="forward, LM head and sampler replaced by outputs made beforehand (see above)")
     args = parser.parse_args()
@@ -155,7 +165,7 @@ def main() -> None:
         model = build_tiny_model(tempfile.mkdtemp(prefix="nanoserve-overhead-"), "qwen3")
     for mode, n in [(mode, n) for mode in args.modes for n in args.num_seqs]:
         r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512}, args.phases,
-                    stream=mode == "stream", host_only=args.host_only)
+                    stream=mode == "stream", host_only=args.host_only, evict_mb=args.evict_mb)
         print(f"{mode:8s}  seqs={r['num_seqs']:4d}  step={r['step']:8.0f} us  forward={r['forward']:8.0f} us  "
               f"host overhead={r['overhead']:6.0f} us  (cpu time: {r['overhead_cpu']:6.0f} us)")
         if args.phases:
