@@ -8,6 +8,7 @@ ignore_eos and a fixed max_tokens, so every request produces exactly that many t
     nanoserve build-tiny-model tiny-qwen3     # what model_repository/nanoserve/1/model.json points at
     python client/bench_serving.py --model-repository model_repository          # launches tritonserver itself
     python client/bench_serving.py --url 127.0.0.1:8001 --model-repository DIR   # a server already running
+    python client/bench_serving.py --model-repository DIR --rounds 3   # alternate 3 times, median ratio
 
 Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -124,7 +126,11 @@ def served_with_warmup(url: str, args, prompts: list[str], warmup_prompts: list[
     return asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))
 
 
-def bench_launched(args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
+def bench_served(args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
+    """One served run: on the server at --url, or on a tritonserver launched for this run and stopped after it
+    (a GPU cannot hold two engines at 90% memory, so the in-process run comes after)."""
+    if args.url:
+        return served_with_warmup(args.url, args, prompts, warmup_prompts, params)
     from nanoserve.serving.launcher import TritonServer, free_ports
 
     log = Path(args.log_file).resolve()
@@ -149,6 +155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="requests (other prompts, same shape) run before each timed "
                         "run (default: --concurrency)")
     parser.add_argument("--no-inprocess", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="alternate served and in-process runs this many times, each round on new prompts; on "
+                             "a shared machine whose speed drifts, the median ratio is the steadier figure")
     parser.add_argument("--min-ratio", type=float, help="exit 1 when served/in-process is below this")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     parser.add_argument("--log-file", default="bench_serving_tritonserver.log")
@@ -165,22 +174,29 @@ def main(argv=None) -> int:
     engine_args = load_engine_args(str(Path(args.model_repository) / args.model))
     model_dir = engine_args.pop("model")
     tokenizer = engine_args.get("tokenizer") or model_dir
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed)
-    warmup_prompts = make_prompts(tokenizer, args.warmup, args.input_len, args.seed + 1)  # not prefix-cached
     params = sampling_parameters(args.output_len, args.temperature, ignore_eos=True)
-    served = (served_with_warmup(args.url, args, prompts, warmup_prompts, params) if args.url
-              else bench_launched(args, prompts, warmup_prompts, params))
-    print(served.describe("served", args.num_prompts))
-    expected = args.num_prompts * args.output_len
-    if served.output_tokens != expected:
-        print(f"warning: the server reported {served.output_tokens} output tokens, expected {expected}",
-              file=sys.stderr)
-    if args.no_inprocess:
+    ratios = []
+    for round_ in range(args.rounds):  # each round new prompts (no prefix-cache hits), the same for both sides
+        seed = args.seed + 100 * round_
+        prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, seed)
+        warmup_prompts = make_prompts(tokenizer, args.warmup, args.input_len, seed + 1)  # not prefix-cached
+        served = bench_served(args, prompts, warmup_prompts, params)
+        print(served.describe(f"{round_}: served", args.num_prompts), flush=True)
+        expected = args.num_prompts * args.output_len
+        if served.output_tokens != expected:
+            print(f"warning: the server reported {served.output_tokens} output tokens, expected {expected}",
+                  file=sys.stderr)
+        if args.no_inprocess:
+            continue
+        local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, warmup_prompts)
+        print(local.describe(f"{round_}: in-process", args.num_prompts))
+        ratios.append(served.tokens_per_s / local.tokens_per_s)
+        print(f"{round_}: served / in-process: {ratios[-1]:.3f}", flush=True)
+    if not ratios:
         return 0
-    local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, warmup_prompts)
-    print(local.describe("in-process", args.num_prompts))
-    ratio = served.tokens_per_s / local.tokens_per_s
-    print(f"served / in-process: {ratio:.3f} at {args.concurrency} streams (target >= 0.95)")
+    ratio = statistics.median(ratios)
+    print(f"served / in-process: {ratio:.3f} at {args.concurrency} streams (median of {len(ratios)} round(s): "
+          f"{', '.join(f'{r:.3f}' for r in ratios)}; target >= 0.95)")
     return 1 if args.min_ratio is not None and ratio < args.min_ratio else 0
 
 

@@ -85,6 +85,18 @@ def test_bench_serving_inprocess_counts_tokens(qwen3_dir):
     assert result.output_tokens == 3 * 4
 
 
+def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, capsys):
+    argv = ["--model-repository", str(nanoserve_server.model_repository), "--url", nanoserve_server.url_grpc,
+            "--concurrency", "2", "--num-prompts", "3", "--warmup", "1", "--input-len", "6", "--output-len", "4",
+            "--rounds", "2"]
+    assert bench_serving.main(argv) == 0
+    out = capsys.readouterr().out
+    ratios = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if ": served / in-process: " in line]
+    assert len(ratios) == 2 and out.count("3 requests, 12 output tokens") == 4
+    median = float(out.rsplit("served / in-process: ", 1)[1].split()[0])
+    assert median == pytest.approx(sum(ratios) / 2, abs=1e-3)
+
+
 def test_demo_streams_the_offline_completion(tmp_path, qwen3_dir):
     """`nanoserve demo` builds the tiny model (same weights as qwen3_dir: same seed) and streams it greedily."""
     from nanoserve import LLM, SamplingParams

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from nanoserve.kernels import ops
 from nanoserve.kernels import reference as ref
+from nanoserve.kernels import torch_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -256,11 +257,11 @@ def test_planned_torch_attention_matches_reference(scenario, block_size, group):
     k_cache, v_cache = batch.k_cache.nan_to_num(0.0), batch.v_cache.nan_to_num(0.0)
     slots = new_token_slots(batch, q_lens)
     k_new, v_new = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-    plan = ref.plan_paged_attention(slots, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+    plan = torch_attention.plan_paged_attention(slots, batch.block_tables, batch.query_start_loc, batch.seq_lens,
                                     block_size, torch.float32)
     expected = batch.reference()
     for _ in range(2):  # one plan serves every layer
-        out = ref.paged_attention_planned(batch.q, k_new, v_new, k_cache, v_cache, plan, batch.scale)
+        out = torch_attention.paged_attention_planned(batch.q, k_new, v_new, k_cache, v_cache, plan, batch.scale)
         assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -273,11 +274,11 @@ def test_planned_store_kvcache_matches_reference(pad_every):
         slots[::pad_every] = -1
     cache = torch.full((4, 16, 2, 8), float("nan"), device=DEVICE)
     caches = [cache.clone() for _ in range(4)]
-    plan = ref.plan_paged_attention(slots, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+    plan = torch_attention.plan_paged_attention(slots, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
                                     torch.tensor([0, 12], dtype=torch.int32, device=DEVICE),
                                     torch.tensor([12], dtype=torch.int32, device=DEVICE), 16, torch.float32)
     assert plan.all_slots_valid == (pad_every == 0)
-    ref.store_kvcache_planned(k, v, caches[0], caches[1], plan)
+    torch_attention.store_kvcache_planned(k, v, caches[0], caches[1], plan)
     ref.store_kvcache_ref(k, v, caches[2], caches[3], slots)
     for got, expected in zip(caches[:2], caches[2:]):
         torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True)

@@ -10,6 +10,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, get_tp_size, init_tp
 from nanoserve.engine.plan import DecodeBatch, ScheduledSeq, StepPlan
+from nanoserve.kernels.torch_attention import AttentionWorkspace
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.models import get_model_class, load_weights
 
@@ -146,7 +147,7 @@ class ModelRunner:
         self.workers = None
         self.graphs = None
         self.sampler = None
-        self.attention_workspace: dict = {}  # scratch buffers of the torch attention backend, reused every step
+        self.attention_workspace = AttentionWorkspace()  # the torch attention backend's buffers (see _bind_kv_cache)
         self._sampling = None  # (seqs, eos_token_id, SamplingMetadata) of the last step, reused when the
         # next step samples the same sequences
         self._closed = False
@@ -203,6 +204,10 @@ class ModelRunner:
     def _bind_kv_cache(self, kv: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = (kv[0, i], kv[1, i]) if kv is not None else (torch.empty(0),) * 2
+        # buffers gathered from the previous cache are void. On the CPU the torch backend keeps each layer's
+        # gathered decode context between steps (kernels/torch_attention.py): at most the cache's size again.
+        keep = kv is not None and self.device.type == "cpu" and self.config.attention_backend == "torch"
+        self.attention_workspace = AttentionWorkspace(keep_bytes=kv.numel() * kv.element_size() if keep else 0)
 
     def _allocate_kv_cache(self) -> torch.Tensor:
         block_bytes = int(np.prod(self._kv_shape(1))) * self.dtype.itemsize

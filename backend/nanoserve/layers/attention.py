@@ -1,7 +1,7 @@
 """Paged attention: store the step's new K/V into the cache by slot, then attend over the cache.
 
 The backend is chosen by name once, at construction:
-  "torch"      nanoserve.kernels.reference (the CPU path; host-synchronizing, so never CUDA-graphed)
+  "torch"      nanoserve.kernels.torch_attention (the CPU path; host-synchronizing, so never CUDA-graphed)
   "triton"     nanoserve.kernels.ops (same signatures as the reference)
   "flash_attn" flash_attn_varlen_func / flash_attn_with_kvcache (paged KV needs block_size % 256 == 0)
 Padded rows of CUDA-graph batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.kernels.reference import (AttentionPlan, paged_attention_planned, plan_paged_attention,
-                                         store_kvcache_planned, store_kvcache_ref)
+from nanoserve.kernels.reference import store_kvcache_ref
+from nanoserve.kernels.torch_attention import (AttentionPlan, AttentionWorkspace, paged_attention_planned,
+                                               plan_paged_attention, store_kvcache_planned)
 from nanoserve.layers.activation import cuda_op
 
 
@@ -32,7 +33,7 @@ class AttentionMetadata:
     is_decode_only: bool  # every row has exactly one query token
     cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, built on first use by flash_attn
     torch_plan: AttentionPlan | None = None  # built by the first layer of the torch backend, used by all
-    workspace: dict | None = None  # the torch backend's gather buffers, kept by the model runner between steps
+    workspace: AttentionWorkspace | None = None  # the torch backend's buffers, kept by the model runner
 
 
 def _torch_backend():

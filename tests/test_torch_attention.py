@@ -1,0 +1,114 @@
+"""The torch backend's decode gathers kept between steps (kernels/torch_attention.py) against the reference,
+step after step, while rows grow, finish, join, move between groups and blocks are freed and reused."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve.kernels import reference as ref
+from nanoserve.kernels import torch_attention as ta
+
+BLOCK, KV_HEADS, HEADS, HEAD_DIM = 4, 2, 4, 8
+
+
+class Decoder:
+    """Sequences decoding over a shared block pool (freed blocks reused first) in two layers' caches."""
+
+    def __init__(self, seed: int, num_blocks: int = 400):
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        self.caches = [(torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen))
+                       for _ in range(2)]
+        self.free = list(range(num_blocks))
+        self.rows: list[dict] = []  # {"table": [...], "len": context length incl. this step's tokens}
+
+    def step(self, joins: int, finishes: int):
+        """One plan's rows: `finishes` rows leave, `joins` rows arrive with a prompt (prefill rows), the others
+        decode a token. Returns (slot_mapping, block_tables, query_start_loc, seq_lens, q_lens)."""
+        for _ in range(min(finishes, len(self.rows))):
+            row = self.rows.pop(self.rng.randrange(len(self.rows)))
+            self.free = row["table"] + self.free  # reused first: stale copies of them would show
+        q_lens = []
+        for row in self.rows:
+            row["len"] += 1
+            q_lens.append(1)
+        for _ in range(joins):
+            self.rows.append({"table": [], "len": self.rng.randint(1, 30)})
+            q_lens.append(self.rows[-1]["len"])
+        slots = []
+        for row, q_len in zip(self.rows, q_lens):
+            while len(row["table"]) * BLOCK < row["len"]:
+                row["table"].append(self.free.pop(0))
+            for pos in range(row["len"] - q_len, row["len"]):
+                slots.append(row["table"][pos // BLOCK] * BLOCK + pos % BLOCK)
+        width = max(len(r["table"]) for r in self.rows)
+        tables = torch.tensor([r["table"] + [0] * (width - len(r["table"])) for r in self.rows], dtype=torch.int32)
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        return (torch.tensor(slots), tables, torch.tensor(starts, dtype=torch.int32),
+                torch.tensor([r["len"] for r in self.rows], dtype=torch.int32), starts[-1])
+
+    def new_kv(self, num_tokens: int):
+        return [torch.randn(2, num_tokens, KV_HEADS, HEAD_DIM, generator=self.gen) for _ in self.caches]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_gathers_match_the_reference_step_after_step(seed):
+    decoder = Decoder(seed)
+    workspace = ta.AttentionWorkspace(keep_bytes=1 << 30)
+    reused = 0
+    for step in range(60):
+        joins = 3 if step == 0 else int(decoder.rng.random() < 0.15)
+        finishes = int(step > 0 and decoder.rng.random() < 0.12)
+        if len(decoder.rows) - finishes + joins == 0:
+            joins = 1
+        slots, tables, starts, seq_lens, num_tokens = decoder.step(joins, finishes)
+        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+        reused += sum(g.stale is not None for g in plan.decode)
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
+        skip_layer = step % 17 == 5  # a step the second layer never ran (a forward that failed midway)
+        for (k_cache, v_cache), (k, v) in zip(decoder.caches[:1 if skip_layer else 2], decoder.new_kv(num_tokens)):
+            ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
+            out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
+            expected = ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert reused > 30, "expected most steps to reuse the kept buffers"
+    assert 0 < workspace.kept_bytes <= workspace.keep_bytes
+
+
+def test_no_budget_gathers_into_scratch_only():
+    decoder = Decoder(0)
+    workspace = ta.AttentionWorkspace(keep_bytes=0)
+    for step in range(5):
+        slots, tables, starts, seq_lens, num_tokens = decoder.step(3 if step == 0 else 0, 0)
+        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+        assert all(g.stale is None for g in plan.decode)
+        k_cache, v_cache = decoder.caches[0]
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
+        k, v = decoder.new_kv(num_tokens)[0]
+        ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
+        out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
+        torch.testing.assert_close(out, ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3))
+    assert workspace.kept == {} and workspace.kept_bytes == 0
+
+
+def test_kept_buffers_stay_within_the_budget():
+    decoder = Decoder(1)
+    first = decoder.step(4, 0)
+    need = 2 * 4 * 16 * BLOCK * KV_HEADS * HEAD_DIM * 4  # more than one group's rows, in bytes
+    workspace = ta.AttentionWorkspace(keep_bytes=need // 3)
+    slots, tables, starts, seq_lens, num_tokens = first
+    for _ in range(3):
+        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+        k_cache, v_cache = decoder.caches[0]
+        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
+        k, v = decoder.new_kv(num_tokens)[0]
+        ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
+        out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
+        torch.testing.assert_close(out, ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3))
+        assert workspace.kept_bytes <= workspace.keep_bytes
+        slots, tables, starts, seq_lens, num_tokens = decoder.step(0, 0)
