@@ -56,6 +56,23 @@ class Decoder:
         return [torch.randn(2, num_tokens, KV_HEADS, HEAD_DIM, generator=self.gen) for _ in self.caches]
 
 
+def attend_one_layer(decoder: Decoder, layer: int, plan, batch, q, kv_new) -> None:
+    """Store this step's K/V in the layer's cache, attend through the plan, compare with the reference."""
+    _, tables, starts, seq_lens, _ = batch
+    (k_cache, v_cache), (k, v) = decoder.caches[layer], kv_new
+    ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
+    out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
+    torch.testing.assert_close(out, ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def plan_step(decoder: Decoder, batch, workspace):
+    """(plan, q, new K/V per layer) for a step made by decoder.step."""
+    slots, tables, starts, seq_lens, num_tokens = batch
+    plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+    return plan, torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen), decoder.new_kv(num_tokens)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_kept_gathers_match_the_reference_step_after_step(seed):
     decoder = Decoder(seed)
@@ -66,16 +83,12 @@ def test_kept_gathers_match_the_reference_step_after_step(seed):
         finishes = int(step > 0 and decoder.rng.random() < 0.12)
         if len(decoder.rows) - finishes + joins == 0:
             joins = 1
-        slots, tables, starts, seq_lens, num_tokens = decoder.step(joins, finishes)
-        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+        batch = decoder.step(joins, finishes)
+        plan, q, kv_new = plan_step(decoder, batch, workspace)
         reused += sum(g.stale is not None for g in plan.decode)
-        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
         skip_layer = step % 17 == 5  # a step the second layer never ran (a forward that failed midway)
-        for (k_cache, v_cache), (k, v) in zip(decoder.caches[:1 if skip_layer else 2], decoder.new_kv(num_tokens)):
-            ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
-            out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
-            expected = ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3)
-            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        for layer in range(1 if skip_layer else 2):
+            attend_one_layer(decoder, layer, plan, batch, q, kv_new[layer])
     assert reused > 30, "expected most steps to reuse the kept buffers"
     assert 0 < workspace.kept_bytes <= workspace.keep_bytes
 
@@ -84,31 +97,20 @@ def test_no_budget_gathers_into_scratch_only():
     decoder = Decoder(0)
     workspace = ta.AttentionWorkspace(keep_bytes=0)
     for step in range(5):
-        slots, tables, starts, seq_lens, num_tokens = decoder.step(3 if step == 0 else 0, 0)
-        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
+        batch = decoder.step(3 if step == 0 else 0, 0)
+        plan, q, kv_new = plan_step(decoder, batch, workspace)
         assert all(g.stale is None for g in plan.decode)
-        k_cache, v_cache = decoder.caches[0]
-        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
-        k, v = decoder.new_kv(num_tokens)[0]
-        ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
-        out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
-        torch.testing.assert_close(out, ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3))
+        attend_one_layer(decoder, 0, plan, batch, q, kv_new[0])
     assert workspace.kept == {} and workspace.kept_bytes == 0
 
 
 def test_kept_buffers_stay_within_the_budget():
     decoder = Decoder(1)
-    first = decoder.step(4, 0)
     need = 2 * 4 * 16 * BLOCK * KV_HEADS * HEAD_DIM * 4  # more than one group's rows, in bytes
     workspace = ta.AttentionWorkspace(keep_bytes=need // 3)
-    slots, tables, starts, seq_lens, num_tokens = first
+    batch = decoder.step(4, 0)
     for _ in range(3):
-        plan = ta.plan_paged_attention(slots, tables, starts, seq_lens, BLOCK, torch.float32, workspace)
-        k_cache, v_cache = decoder.caches[0]
-        q = torch.randn(num_tokens, HEADS, HEAD_DIM, generator=decoder.gen)
-        k, v = decoder.new_kv(num_tokens)[0]
-        ta.store_kvcache_planned(k, v, k_cache, v_cache, plan)
-        out = ta.paged_attention_planned(q, k, v, k_cache, v_cache, plan, 0.3)
-        torch.testing.assert_close(out, ref.paged_attention_ref(q, k_cache, v_cache, tables, starts, seq_lens, 0.3))
+        plan, q, kv_new = plan_step(decoder, batch, workspace)
+        attend_one_layer(decoder, 0, plan, batch, q, kv_new[0])
         assert workspace.kept_bytes <= workspace.keep_bytes
-        slots, tables, starts, seq_lens, num_tokens = decoder.step(0, 0)
+        batch = decoder.step(0, 0)
