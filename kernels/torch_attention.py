@@ -18,8 +18,8 @@ from nanoserve.kernels.reference import _sdpa, _similar_lengths, store_kvcache_r
 
 # Padding a group's shorter rows costs SDPA work on the gathered copy; below ~1.25x, extra SDPA calls cost more.
 DECODE_MAX_PAD = 1.25
-# A group's gathered rows are this many tokens wider than needed (rounded up), so that its buffer keeps its
-# layout, and stays valid, while the rows grow.
+# A kept group's gathered rows are this many tokens wider than needed (rounded up), so that its buffer keeps
+# its layout, and stays valid, while the rows grow. Without kept buffers the slack would only be copied.
 WIDTH_SLACK_TOKENS = 64
 
 
@@ -99,9 +99,10 @@ def plan_paged_attention(slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
     all_valid = len(slot_mapping) == 0 or int(slot_mapping.min()) >= 0
     written = None  # the cache blocks this step writes, computed when a kept buffer could be reused
+    slack_tokens = WIDTH_SLACK_TOKENS if workspace.keep_bytes else 0
     decode = []
     for index, group in enumerate(_similar_lengths(decode_rows, seq_lens_list, DECODE_MAX_PAD)):
-        decode.append(_decode_group(group, starts, seq_lens_list, block_tables, block_size, dtype))
+        decode.append(_decode_group(group, starts, seq_lens_list, block_tables, block_size, slack_tokens, dtype))
         last = workspace.last_blocks[index] if index < len(workspace.last_blocks) else None
         if workspace.keep_bytes and last is not None and last.shape == decode[-1].blocks.shape:
             if written is None:
@@ -124,11 +125,11 @@ def store_kvcache_planned(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
 
 
-def _decode_group(rows, starts, seq_lens, block_tables, block_size, dtype) -> DecodeGroup:
+def _decode_group(rows, starts, seq_lens, block_tables, block_size, slack_tokens, dtype) -> DecodeGroup:
     lens = [seq_lens[b] for b in rows]
     max_len = max(lens)
     device = block_tables.device
-    slack = -(-WIDTH_SLACK_TOKENS // block_size)
+    slack = max(1, -(-slack_tokens // block_size))  # width is a multiple of this many blocks
     width = -(-max_len // (slack * block_size)) * slack
     rows_t = torch.tensor(rows, device=device)
     table = block_tables[rows_t, :width].long().clamp(min=0)
