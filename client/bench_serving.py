@@ -1,6 +1,8 @@
 """Served vs in-process throughput: the same fixed workload through Triton (C concurrent gRPC streams) and
-through `nanoserve.LLM(...).generate` in this process; prints output tok/s for each and the ratio (target >= 0.95
-at 64 streams).
+through nanoserve's engine in this process (the same requests, streaming every step's tokens and text, at most C
+running); prints output tok/s for each and the ratio (target >= 0.95 at 64 streams). The ratio is what serving
+through Triton costs; `--inprocess generate` compares with the offline `LLM.generate` instead, which also skips
+the per-step detokenization that streaming needs.
 
 Workload: N prompts of random token ids (fixed seed) decoded to text, so both sides get the same strings;
 ignore_eos and a fixed max_tokens, so every request produces exactly that many tokens.
@@ -39,6 +41,7 @@ class RunResult:
     ttfts: list[float] = dataclasses.field(default_factory=list)
     responses: int = 0  # served: streamed responses received (the server merges steps under load)
     client_cpu: float = 0.0  # served: CPU seconds this client process spent meanwhile
+    texts: list[str] = dataclasses.field(default_factory=list)  # in-process: each prompt's output text
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,20 +107,40 @@ async def run_served(url: str, model: str, prompts: list[str], params: dict, con
 
 
 def run_inprocess(model_dir: str, engine_args: dict, prompts: list[str], params: dict, concurrency: int,
-                  warmup_prompts: list[str] = ()) -> RunResult:
-    """The same prompts through the offline API, with at most `concurrency` sequences running, like the server."""
+                  warmup_prompts: list[str] = (), stream: bool = True) -> RunResult:
+    """The same prompts in this process, with at most `concurrency` sequences running, like the server.
+    stream: as engine requests that stream, every step's text delta joined per request as a client would
+    (the served run's work); else through the offline `LLM.generate`, which detokenizes each output once."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.config import EngineConfig
 
     default_seqs = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_seqs")
     engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", default_seqs), concurrency)}
+    run = stream_requests if stream else generate_requests
     with LLM(model_dir, **engine_args) as llm:
         sampling = SamplingParams(**params)
         if warmup_prompts:
-            llm.generate(list(warmup_prompts), sampling, use_tqdm=False)
+            run(llm, list(warmup_prompts), sampling, "warmup")
         start = time.perf_counter()
-        outputs = llm.generate(prompts, sampling, use_tqdm=False)
-        return RunResult(time.perf_counter() - start, sum(len(o.token_ids) for o in outputs))
+        output_tokens, texts = run(llm, prompts, sampling, "timed")
+        return RunResult(time.perf_counter() - start, output_tokens, texts=texts)
+
+
+def generate_requests(llm, prompts: list[str], sampling, name: str) -> tuple[int, list[str]]:
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    return sum(len(o.token_ids) for o in outputs), [o.text for o in outputs]
+
+
+def stream_requests(llm, prompts: list[str], sampling, name: str) -> tuple[int, list[str]]:
+    engine, deltas, output_tokens = llm.engine, {}, 0
+    for i, prompt in enumerate(prompts):
+        deltas[f"{name}-{i}"] = []
+        engine.add_request(f"{name}-{i}", prompt, sampling, stream=True)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas[output.request_id].append(output.text_delta)
+            output_tokens += len(output.new_token_ids)
+    return output_tokens, ["".join(pieces) for pieces in deltas.values()]
 
 
 def served_with_warmup(url: str, args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
@@ -155,6 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="requests (other prompts, same shape) run before each timed "
                         "run (default: --concurrency)")
     parser.add_argument("--no-inprocess", action="store_true")
+    parser.add_argument("--inprocess", choices=("stream", "generate"), default="stream",
+                        help="stream: engine requests streaming every step, as the server's are (default); "
+                             "generate: the offline LLM.generate, which streams nothing")
     parser.add_argument("--rounds", type=int, default=1,
                         help="alternate served and in-process runs this many times, each round on new prompts; on "
                              "a shared machine whose speed drifts, the median ratio is the steadier figure")
@@ -188,7 +214,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
         if args.no_inprocess:
             continue
-        local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, warmup_prompts)
+        local = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency, warmup_prompts,
+                              stream=args.inprocess == "stream")
         print(local.describe(f"{round_}: in-process", args.num_prompts))
         ratios.append(served.tokens_per_s / local.tokens_per_s)
         print(f"{round_}: served / in-process: {ratios[-1]:.3f}", flush=True)

@@ -77,12 +77,14 @@ def test_bench_serving_streams_every_token(nanoserve_server, qwen3_dir):
     assert len(result.ttfts) == 6 and result.seconds > 0
 
 
-def test_bench_serving_inprocess_counts_tokens(qwen3_dir):
+def test_bench_serving_inprocess_streams_what_generate_returns(qwen3_dir):
     prompts = bench_serving.make_prompts(qwen3_dir, num_prompts=3, input_len=8, seed=0)
     params = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
-    result = bench_serving.run_inprocess(qwen3_dir, TEST_ENGINE_ARGS, prompts, params, concurrency=2,
-                                         warmup_prompts=prompts[:1])
-    assert result.output_tokens == 3 * 4
+    streamed, generated = (bench_serving.run_inprocess(qwen3_dir, TEST_ENGINE_ARGS, prompts, params, concurrency=2,
+                                                       warmup_prompts=prompts[:1], stream=stream)
+                           for stream in (True, False))
+    assert streamed.output_tokens == generated.output_tokens == 3 * 4
+    assert streamed.texts == generated.texts and len(streamed.texts) == 3  # the deltas join to the whole text
 
 
 def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, capsys):

@@ -213,10 +213,10 @@ class FakeSender:
         return getattr(self, "cancelled", False)
 
 
-def response_thread(clock, send_budget):
-    metrics = SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
-                              record_first_token=lambda *a: None, record_inter_token=lambda s: None,
-                              record_finished=lambda *a: None)
+def response_thread(clock, send_budget, metrics=None):
+    metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
+                                         record_first_token=lambda *a: None, record_inter_token=lambda s: None,
+                                         record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
                           text_arrays, "text_input", send_budget=send_budget, clock=clock)
 
@@ -255,6 +255,18 @@ def test_steps_are_merged_when_sending_would_exceed_the_budget():
         assert [final for _, final in sender.sent].count(True) == 1
 
 
+def test_steps_handled_together_count_each_generated_token_once():
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=0.1)
+    generated = []
+    thread.metrics.record_generated = generated.append
+    sender = FakeSender(clock, send_seconds=0.0)
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    steps = [StepResult(outputs=[output], time=clock.now) for output in outputs_of("a", [(5, "a"), (6, "b"), (7, "c")])]
+    thread.handle_events(steps)  # the engine was three steps ahead: one merged response
+    assert generated == [3] and sender.sent == [("abc", True)]
+
+
 def test_non_streaming_sends_one_response_whatever_the_pacing():
     clock = FakeClock()
     thread = response_thread(clock, send_budget=0.1)
@@ -290,3 +302,89 @@ def test_cancellation_checks_take_turns_across_many_streams():
         assert sum(getattr(s, "checks", 0) for s in senders) - before <= CANCEL_CHECKS_PER_ROUND
     assert all(getattr(s, "checks", 0) >= 1 for s in senders)  # every stream was asked within 3 rounds
     assert aborted == [str(len(senders) - 1)]
+
+
+# ---- metrics: counters and gauges batched, published before a client can see its last response ----------
+class FakeMetric:
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def increment(self, value):
+        self.calls.append(("increment", self.name, value))
+
+    def set(self, value):
+        self.calls.append(("set", self.name, value))
+
+    def observe(self, value):
+        self.calls.append(("observe", self.name, value))
+
+
+def fake_pb_with_metrics(calls):
+    class MetricFamily:
+        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+
+        def __init__(self, name, description, kind):
+            self.name = name
+
+        def Metric(self, labels, buckets=None):
+            return FakeMetric(calls, self.name + "".join(f"{{{k}={v}}}" for k, v in labels.items() if k == "reason"))
+
+    return SimpleNamespace(MetricFamily=MetricFamily)
+
+
+def engine_stats(running, used):
+    return {"prefix_cache_hit_tokens": 0, "prompt_tokens_computed": 8, "num_running": running, "num_waiting": 0,
+            "num_total_blocks": 16, "num_free_blocks": 16 - used, "num_preemptions": 0}
+
+
+def test_metrics_send_counters_and_changed_gauges_only_when_published():
+    from nanoserve.serving.metrics import Metrics
+
+    calls = []
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1")
+    for step in range(3):
+        metrics.record_engine(engine_stats(running=2, used=4 + step))
+        metrics.record_generated(2)
+    metrics.record_finished("length", 0.5, 8, 6)
+    assert [c for c in calls if c[0] != "observe"] == [] and metrics.unpublished  # histograms go at once
+    metrics.publish()
+    sent = {(kind, name): value for kind, name, value in calls if kind != "observe"}
+    assert sent[("increment", "nanoserve_generation_tokens_total")] == 6  # one call for three steps
+    assert sent[("increment", "nanoserve_requests_finished_total{reason=length}")] == 1
+    assert sent[("set", "nanoserve_kv_blocks_used")] == 6 and sent[("set", "nanoserve_requests_running")] == 2
+    calls.clear()
+    metrics.record_engine(engine_stats(running=2, used=6))
+    metrics.publish()
+    assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
+
+
+def test_the_last_request_in_flight_publishes_before_its_final_response():
+    from nanoserve.serving.metrics import PUBLISH_INTERVAL, Metrics
+
+    calls, clock = [], FakeClock()
+    thread = response_thread(clock, send_budget=1.0, metrics=Metrics(fake_pb_with_metrics(calls), "m", "1"))
+
+    class RecordingSender(FakeSender):
+        def send(self, response, flags=0):
+            calls.append(("response", bool(flags), None))
+            super().send(response, flags)
+
+    senders = [RecordingSender(clock, 0.0) for _ in range(2)]
+    for i, sender in enumerate(senders):
+        thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    outputs = [outputs_of(str(i), [(5, "a"), (6, "b"), (7, "c")][:2 + i]) for i in range(2)]
+    thread.handle_events([StepResult(outputs=[o[0] for o in outputs], time=clock.now, stats=engine_stats(2, 4))])
+    clock.now += PUBLISH_INTERVAL / 10
+    thread.handle_events([StepResult(outputs=[o[1] for o in outputs], time=clock.now, stats=engine_stats(1, 2))])
+    generated = [c for c in calls if c[:2] == ("increment", "nanoserve_generation_tokens_total")]
+    assert generated == [("increment", "nanoserve_generation_tokens_total", 2)]  # the 2nd step waits
+    clock.now += PUBLISH_INTERVAL / 10
+    calls.clear()
+    thread.handle_events([StepResult(outputs=[outputs[1][2]], time=clock.now, stats=engine_stats(0, 0))])
+    final = calls.index(("response", True, None))
+    published = {(kind, name): value for kind, name, value in calls[:final] if kind in ("increment", "set")}
+    assert published[("increment", "nanoserve_generation_tokens_total")] == 3  # steps 2 and 3
+    assert published[("increment", "nanoserve_requests_finished_total{reason=length}")] == 2
+    assert published[("set", "nanoserve_kv_blocks_used")] == 0
+    assert published[("set", "nanoserve_requests_running")] == 0
+    assert not thread.metrics.unpublished and thread._wait_time() is None  # idle: sleeps until the next event

@@ -2,6 +2,11 @@
 
 Create a Metrics in initialize() (MetricFamily exists only there) and make every later call from ONE thread:
 tritonserver 2.51 crashes when custom metrics are updated from several threads at once.
+
+Every metric update is an IPC round trip to tritonserver during which the stub holds the GIL, so the engine
+thread stalls for it. Counters and gauges are therefore recorded here and sent by publish() (the response
+thread calls it every PUBLISH_INTERVAL and whenever the last request in flight ends): a handful of calls per
+interval instead of several per engine step. Histogram samples have no batched form and are sent at once.
 """
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
 ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
 E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0]
+PUBLISH_INTERVAL = 0.5  # seconds; Prometheus scrapes every few seconds
 LENGTH_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 
 
@@ -41,7 +47,9 @@ class Metrics:
                                           "requests", LENGTH_BUCKETS)
         self.generation_length = self._metric(histogram, "nanoserve_generation_length_tokens", "Output length of "
                                               "finished requests", LENGTH_BUCKETS)
-        self._last_gauges: dict = {}
+        self._increments: dict = {}  # counter -> increment not published yet
+        self._gauges: dict = {}  # gauge -> latest value not published yet
+        self._published_gauges: dict = {}
         self._last_preemptions = 0
 
     def _family(self, kind, name: str, description: str):
@@ -57,34 +65,47 @@ class Metrics:
 
     # ---- updates (one thread) -----------------------------------------------------------------------
     def record_engine(self, stats: dict) -> None:
-        """Gauges and the preemption counter from engine.stats(); unchanged gauges cost no call."""
+        """Gauges and the preemption counter from engine.stats()."""
         hits, computed = stats["prefix_cache_hit_tokens"], stats["prompt_tokens_computed"]
-        gauges = {self.running: stats["num_running"], self.waiting: stats["num_waiting"],
-                  self.kv_used: stats["num_total_blocks"] - stats["num_free_blocks"],
-                  self.kv_total: stats["num_total_blocks"],
-                  self.hit_rate: hits / (hits + computed) if hits + computed else 0.0}
-        for gauge, value in gauges.items():
-            if self._last_gauges.get(gauge) != value:
-                gauge.set(value)
-                self._last_gauges[gauge] = value
-        if stats["num_preemptions"] > self._last_preemptions:
-            self.preemptions.increment(stats["num_preemptions"] - self._last_preemptions)
-            self._last_preemptions = stats["num_preemptions"]
+        self._gauges.update({self.running: stats["num_running"], self.waiting: stats["num_waiting"],
+                             self.kv_used: stats["num_total_blocks"] - stats["num_free_blocks"],
+                             self.kv_total: stats["num_total_blocks"],
+                             self.hit_rate: hits / (hits + computed) if hits + computed else 0.0})
+        self._count(self.preemptions, stats["num_preemptions"] - self._last_preemptions)
+        self._last_preemptions = stats["num_preemptions"]
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft)
-        self.prompt_tokens.increment(num_prompt_tokens)
+        self._count(self.prompt_tokens, num_prompt_tokens)
 
     def record_inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
 
     def record_generated(self, num_tokens: int) -> None:
-        if num_tokens:
-            self.generation_tokens.increment(num_tokens)
+        self._count(self.generation_tokens, num_tokens)
 
     def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
         if reason in self.finished:
-            self.finished[reason].increment(1)
+            self._count(self.finished[reason], 1)
         self.e2e.observe(e2e)
         self.prompt_length.observe(num_prompt_tokens)
         self.generation_length.observe(num_output_tokens)
+
+    def _count(self, counter, increment) -> None:
+        if increment > 0:
+            self._increments[counter] = self._increments.get(counter, 0) + increment
+
+    @property
+    def unpublished(self) -> bool:
+        return bool(self._increments or self._gauges)
+
+    def publish(self) -> None:
+        """Send what was recorded since the last publish: each counter's increment, each changed gauge."""
+        increments, self._increments = self._increments, {}
+        for counter, increment in increments.items():
+            counter.increment(increment)
+        gauges, self._gauges = self._gauges, {}
+        for gauge, value in gauges.items():
+            if self._published_gauges.get(gauge) != value:
+                gauge.set(value)
+                self._published_gauges[gauge] = value

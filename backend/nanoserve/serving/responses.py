@@ -5,7 +5,6 @@ custom-metric updates). pb_utils is passed in: this module imports nothing from 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
+from nanoserve.serving.metrics import PUBLISH_INTERVAL
 from nanoserve.serving.request import ParsedRequest
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,7 @@ class ResponseThread:
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
         self._next_check = 0.0
+        self._next_publish = 0.0  # clock() from which recorded counters and gauges are published
         self._cancel_cursor = 0  # where the next round of cancellation checks starts in self.streams
         self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
 
@@ -116,6 +117,7 @@ class ResponseThread:
             self._guarded(self._handle_steps, steps)
         self._guarded(self._flush, stopping)
         self._guarded(self._check_cancelled)
+        self._guarded(self._publish_metrics, stopping)
         return stopping
 
     @staticmethod
@@ -132,16 +134,19 @@ class ResponseThread:
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
-    def _wait_time(self) -> float:
-        """Until the next cancellation check, or the next flush when outputs are pending."""
-        now = self.clock()
-        wait = max(self._next_check - now, 0.001)
-        return min(wait, max(self._next_flush - now, 0.0)) if self.pending else wait
+    def _wait_time(self) -> float | None:
+        """Until the next cancellation check, flush or metrics publish that is due; None: nothing is."""
+        deadlines = [self._next_check] if self.streams else []
+        if self.pending:
+            deadlines.append(self._next_flush)
+        if self.metrics.unpublished:
+            deadlines.append(self._next_publish)
+        return max(min(deadlines) - self.clock(), 0.0) if deadlines else None
 
-    def _next_events(self, timeout: float) -> list:
-        """The next event (waiting at most `timeout` seconds) and all queued behind it."""
+    def _next_events(self, timeout: float | None) -> list:
+        """The next event (waiting at most `timeout` seconds, None: until there is one) and all queued behind it."""
         try:
-            events = [self.events.get(timeout=timeout)] if timeout > 0 else [self.events.get_nowait()]
+            events = [self.events.get(timeout=timeout)] if timeout != 0 else [self.events.get_nowait()]
         except queue.Empty:
             return []
         while True:
@@ -157,9 +162,9 @@ class ResponseThread:
                 self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
-        merge_into(self.pending, (output for step in steps for output in step.outputs))
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
+        merge_into(self.pending, (output for step in steps for output in step.outputs))  # after: it joins them
 
     def _flush(self, force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
@@ -183,6 +188,12 @@ class ResponseThread:
             logger.exception("nanoserve: sending a response failed")
             self.engine_thread.abort(output.request_id)
             self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        now = self.clock()
+        if self.metrics.unpublished and (force or now >= self._next_publish):
+            self.metrics.publish()
+            self._next_publish = now + PUBLISH_INTERVAL
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -233,18 +244,25 @@ class ResponseThread:
 
     def _finish(self, request_id: str, output, arrays: dict) -> None:
         stream = self.streams.pop(request_id)
-        stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._record_finished(stream, output)
+        stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _fail(self, request_id: str, message: str, code, output=None) -> None:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        self._send_error(stream.sender, message, code)
         if output is not None:
             self._record_finished(stream, output)
+        self._send_error(stream.sender, message, code)
 
     def _record_finished(self, stream: Stream, output) -> None:
+        """Before the last response is sent; the last request in flight also publishes every metric then, so a
+        client that has its last response reads metrics that count it."""
+        self._record_latencies(stream, output)
+        if not self.streams:
+            self._publish_metrics(force=True)
+
+    def _record_latencies(self, stream: Stream, output) -> None:
         end = stream.last_token or time.monotonic()
         self.metrics.record_finished(output.finish_reason, end - stream.arrival, output.num_prompt_tokens,
                                      output.num_output_tokens)
@@ -267,12 +285,15 @@ class ResponseThread:
 
 def merge_into(pending: dict, outputs) -> None:
     """Add outputs to pending (request_id -> output), one per request: a request's consecutive outputs joined
-    (tokens, text, logprobs), the latest counts and finish state kept."""
+    (tokens, text, logprobs) into its latest one, which has the latest counts and finish state. Runs for every
+    streamed request at every step, so it sets three fields in place rather than copying the dataclass."""
     for output in outputs:
         earlier = pending.get(output.request_id)
-        pending[output.request_id] = output if earlier is None else dataclasses.replace(
-            output, new_token_ids=earlier.new_token_ids + output.new_token_ids,
-            text_delta=earlier.text_delta + output.text_delta, new_logprobs=earlier.new_logprobs + output.new_logprobs)
+        if earlier is not None:
+            output.new_token_ids = earlier.new_token_ids + output.new_token_ids
+            output.text_delta = earlier.text_delta + output.text_delta
+            output.new_logprobs = earlier.new_logprobs + output.new_logprobs
+        pending[output.request_id] = output
 
 
 # ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
