@@ -346,8 +346,11 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
         metrics.record_engine(engine_stats(running=2, used=4 + step))
         metrics.record_generated(2)
     metrics.record_finished("length", 0.5, 8, 6)
-    assert [c for c in calls if c[0] != "observe"] == [] and metrics.unpublished  # histograms go at once
+    assert calls == [] and metrics.unpublished
     metrics.publish()
+    assert [c for c in calls if c[0] == "observe"] == [("observe", "nanoserve_e2e_request_latency_seconds", 0.5),
+                                                      ("observe", "nanoserve_prompt_length_tokens", 8),
+                                                      ("observe", "nanoserve_generation_length_tokens", 6)]
     sent = {(kind, name): value for kind, name, value in calls if kind != "observe"}
     assert sent[("increment", "nanoserve_generation_tokens_total")] == 6  # one call for three steps
     assert sent[("increment", "nanoserve_requests_finished_total{reason=length}")] == 1
@@ -383,6 +386,8 @@ def test_the_last_request_in_flight_publishes_before_its_final_response():
     thread.handle_events([StepResult(outputs=[outputs[1][2]], time=clock.now, stats=engine_stats(0, 0))])
     final = calls.index(("response", True, None))
     published = {(kind, name): value for kind, name, value in calls[:final] if kind in ("increment", "set")}
+    observed = [name for kind, name, _ in calls[:final] if kind == "observe"]
+    assert observed.count("nanoserve_e2e_request_latency_seconds") == 2  # both requests' samples
     assert published[("increment", "nanoserve_generation_tokens_total")] == 3  # steps 2 and 3
     assert published[("increment", "nanoserve_requests_finished_total{reason=length}")] == 2
     assert published[("set", "nanoserve_kv_blocks_used")] == 0

@@ -4,9 +4,10 @@ Create a Metrics in initialize() (MetricFamily exists only there) and make every
 tritonserver 2.51 crashes when custom metrics are updated from several threads at once.
 
 Every metric update is an IPC round trip to tritonserver during which the stub holds the GIL, so the engine
-thread stalls for it. Counters and gauges are therefore recorded here and sent by publish() (the response
-thread calls it every PUBLISH_INTERVAL and whenever the last request in flight ends): a handful of calls per
-interval instead of several per engine step. Histogram samples have no batched form and are sent at once.
+thread stalls for it. Updates are therefore recorded here and sent by publish() (the response thread calls
+it every PUBLISH_INTERVAL and whenever the last request in flight ends), off the path of the responses: one
+call per counter and changed gauge per interval instead of several per engine step. Histogram samples have no
+batched form: one call each, at publish.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class Metrics:
                                               "finished requests", LENGTH_BUCKETS)
         self._increments: dict = {}  # counter -> increment not published yet
         self._gauges: dict = {}  # gauge -> latest value not published yet
+        self._samples: list = []  # (histogram, value) not published yet
         self._published_gauges: dict = {}
         self._last_preemptions = 0
 
@@ -75,11 +77,11 @@ class Metrics:
         self._last_preemptions = stats["num_preemptions"]
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
-        self.ttft.observe(ttft)
+        self._samples.append((self.ttft, ttft))
         self._count(self.prompt_tokens, num_prompt_tokens)
 
     def record_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+        self._samples.append((self.itl, seconds))
 
     def record_generated(self, num_tokens: int) -> None:
         self._count(self.generation_tokens, num_tokens)
@@ -87,9 +89,8 @@ class Metrics:
     def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
         if reason in self.finished:
             self._count(self.finished[reason], 1)
-        self.e2e.observe(e2e)
-        self.prompt_length.observe(num_prompt_tokens)
-        self.generation_length.observe(num_output_tokens)
+        self._samples += [(self.e2e, e2e), (self.prompt_length, num_prompt_tokens),
+                          (self.generation_length, num_output_tokens)]
 
     def _count(self, counter, increment) -> None:
         if increment > 0:
@@ -97,10 +98,11 @@ class Metrics:
 
     @property
     def unpublished(self) -> bool:
-        return bool(self._increments or self._gauges)
+        return bool(self._increments or self._gauges or self._samples)
 
     def publish(self) -> None:
-        """Send what was recorded since the last publish: each counter's increment, each changed gauge."""
+        """Send what was recorded since the last publish: each counter's increment, each changed gauge, each
+        histogram sample."""
         increments, self._increments = self._increments, {}
         for counter, increment in increments.items():
             counter.increment(increment)
@@ -109,3 +111,6 @@ class Metrics:
             if self._published_gauges.get(gauge) != value:
                 gauge.set(value)
                 self._published_gauges[gauge] = value
+        samples, self._samples = self._samples, []
+        for histogram, value in samples:
+            histogram.observe(value)
