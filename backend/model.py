@@ -103,7 +103,8 @@ class TritonPythonModel:
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
         try:
-            parsed = contract.parse_request(lambda name: _as_numpy(request, name), request.parameters(),
+            inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
+            parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                             tokens=self.mode == "tokens")
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
@@ -123,6 +124,6 @@ class TritonPythonModel:
         self.engine.shutdown()
 
 
-def _as_numpy(request, name):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
+def _as_numpy(inputs: dict, name: str):
+    tensor = inputs.get(name)
     return None if tensor is None else tensor.as_numpy()
