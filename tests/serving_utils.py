@@ -7,6 +7,8 @@ import queue
 import re
 import shutil
 import signal
+import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -80,11 +82,13 @@ OUTPUT_NAMES = ("text_output", "finish_reason", "cumulative_logprob", "logprobs"
                 "num_output_tokens", "output_ids", "context_ids")
 
 
-def stream(server, model: str, parameters: dict | None = None, **inputs) -> Streamed:
-    """One request over a gRPC stream; returns once its FINAL response (or an error) arrived."""
+def stream(server, model: str, parameters: dict | None = None, first_response: threading.Event | None = None,
+           **inputs) -> Streamed:
+    """One request over a gRPC stream; returns once its FINAL response (or an error) arrived. first_response is
+    set when the first response arrives."""
     client, events = open_stream(server, model, parameters, **inputs)
     try:
-        return collect(events)
+        return collect(events, first_response=first_response)
     finally:
         client.stop_stream()
         client.close()
@@ -99,10 +103,12 @@ def open_stream(server, model: str, parameters: dict | None = None, **inputs):
     return client, events
 
 
-def collect(events: queue.Queue, timeout: float = TIMEOUT) -> Streamed:
+def collect(events: queue.Queue, timeout: float = TIMEOUT, first_response: threading.Event | None = None) -> Streamed:
     out = Streamed()
     while True:
         result, error = events.get(timeout=timeout)
+        if first_response is not None:
+            first_response.set()
         if error is not None:
             out.error = error
             return out
@@ -155,3 +161,13 @@ def metrics(server, model: str) -> dict:
         key = match.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
         samples[key] = float(match.group(3))
     return samples
+
+
+def metrics_when(server, model: str, condition, timeout: float = 30.0) -> dict:
+    """The model's metrics once condition(metrics) holds (asserted within timeout seconds): while requests run,
+    the backend publishes them every PUBLISH_INTERVAL."""
+    deadline = time.monotonic() + timeout
+    while not condition(values := metrics(server, model)):
+        assert time.monotonic() < deadline, values
+        time.sleep(0.05)
+    return values

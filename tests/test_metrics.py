@@ -2,7 +2,6 @@
 is small (16 blocks of 8 tokens) so that concurrent requests preempt each other. The model runs in the plain
 `backend: "python"` form (backend/model.py copied into the model), the alternative to the nanoserve backend."""
 import threading
-import time
 
 import pytest
 from serving_utils import metrics, stream, triton
@@ -57,15 +56,15 @@ def test_counters_and_histograms_match_the_traffic(server, llm):
     before = metrics(server, MODEL)
     results = [None] * len(PROMPTS)
 
+    first_running = threading.Event()  # set by the first request's first token
+
     def run(i):
-        results[i] = stream(server, MODEL, text_input=PROMPTS[i], stream=True,
+        results[i] = stream(server, MODEL, text_input=PROMPTS[i], stream=True, first_response=first_running,
                             sampling_parameters={**GREEDY, "max_tokens": max_tokens[i]})
 
     first = threading.Thread(target=run, args=(0,))
     first.start()
-    deadline = time.monotonic() + 30
-    while metrics(server, MODEL)["nanoserve_requests_running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert first_running.wait(60)
     others = [threading.Thread(target=run, args=(i,)) for i in range(1, len(PROMPTS))]
     for t in others:
         t.start()

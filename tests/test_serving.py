@@ -2,11 +2,10 @@
 generate, optional outputs, validation errors, cancellation. One server for the module."""
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
-from serving_utils import collect, http_post, is_ready, metrics, open_stream, sse_events, stream, triton
+from serving_utils import collect, http_post, is_ready, metrics_when, open_stream, sse_events, stream, triton
 
 from nanoserve import LLM, SamplingParams
 
@@ -156,27 +155,17 @@ def test_bad_inputs_over_http_are_invalid_arg(server, body, field):
     assert is_ready(server)
 
 
-def metrics_when(server, condition, timeout: float = 30.0) -> dict:
-    """The model's metrics once condition(metrics) holds (asserted within timeout seconds)."""
-    deadline = time.monotonic() + timeout
-    while not condition(values := metrics(server, MODEL)):
-        assert time.monotonic() < deadline, values
-        time.sleep(0.05)
-    return values
-
-
 def test_cancel_frees_every_kv_block(server, offline):
     # No max_tokens: the default runs to max_model_len, not vLLM's 16. Cancel after 20 tokens.
     client, events = open_stream(server, MODEL, text_input=PROMPTS[0], stream=True,
                                  sampling_parameters={"ignore_eos": True})
     for _ in range(20):
         assert events.get(timeout=60)[1] is None
-    # gauges are published every PUBLISH_INTERVAL while requests run
-    before = metrics_when(server, lambda values: values["nanoserve_requests_running"] == 1)
+    before = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 1)
     assert before["nanoserve_kv_blocks_used"] > 0
     client.stop_stream(cancel_requests=True)
     client.close()
-    values = metrics_when(server, lambda values: values["nanoserve_requests_running"] == 0)
+    values = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 0)
     assert values["nanoserve_kv_blocks_used"] == 0
     assert values["nanoserve_requests_finished_total{reason=abort}"] == \
         before["nanoserve_requests_finished_total{reason=abort}"] + 1

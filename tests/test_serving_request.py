@@ -304,7 +304,7 @@ def test_cancellation_checks_take_turns_across_many_streams():
     assert aborted == [str(len(senders) - 1)]
 
 
-# ---- metrics: counters and gauges batched, published before a client can see its last response ----------
+# ---- metrics: batched, published before a client can see its last response ------------------------------
 class FakeMetric:
     def __init__(self, calls, name):
         self.calls, self.name = calls, name

@@ -86,7 +86,7 @@ class ResponseThread:
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
         self._next_check = 0.0
-        self._next_publish = 0.0  # clock() from which recorded counters and gauges are published
+        self._next_publish = 0.0  # clock() from which recorded metrics are published
         self._cancel_cursor = 0  # where the next round of cancellation checks starts in self.streams
         self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
 
