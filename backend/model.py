@@ -16,6 +16,8 @@ or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode
 execute() only parses, validates and enqueues. The engine thread owns the LLMEngine and steps the continuous
 batch; the response thread sends every response, sweeps for cancelled requests and updates the metrics.
 """
+import faulthandler
+import gc
 import itertools
 import json
 import logging
@@ -31,6 +33,7 @@ from nanoserve.serving.model_json import instance_device, load_engine_args
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
 
 logger = logging.getLogger(__name__)
+faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs, prompt input, formatter)
     "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_arrays),
     "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_arrays),
@@ -88,6 +91,11 @@ class TritonPythonModel:
         from nanoserve.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
+        # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
+        # instead of stalling the engine for ~0.1 s under the GIL.
+        gc.collect()
+        gc.freeze()
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.metrics = Metrics(pb_utils, self.name, args["model_version"])
         self.engine_thread = EngineThread(self.engine, self.events).start()
@@ -121,6 +129,7 @@ class TritonPythonModel:
     def finalize(self):
         self.engine_thread.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
+        self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it
         self.engine.shutdown()
 
 

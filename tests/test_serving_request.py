@@ -361,6 +361,22 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
     assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
 
 
+def test_closed_metrics_hold_no_family_or_metric():
+    """finalize() closes the Metrics so that python_backend deletes every family while the stub can still tell
+    tritonserver (a family collected in the stub's teardown segfaults it)."""
+    import gc
+    import weakref
+
+    from nanoserve.serving.metrics import Metrics
+
+    metrics = Metrics(fake_pb_with_metrics([]), "m", "1")
+    metrics.record_engine(engine_stats(running=1, used=2))
+    alive = [weakref.ref(obj) for obj in [*metrics._families, metrics.running, *metrics.finished.values()]]
+    metrics.close()
+    gc.collect()
+    assert len(alive) == 16 + 2 and all(ref() is None for ref in alive)
+
+
 def test_the_last_request_in_flight_publishes_before_its_final_response():
     from nanoserve.serving.metrics import PUBLISH_INTERVAL, Metrics
 

@@ -37,6 +37,13 @@ def running_server(model_repository, log_dir, models=(), timeout: float = LOAD_T
         yield server
     finally:
         server.stop()
+    assert_no_stub_crash(log_file)
+
+
+def assert_no_stub_crash(log_file) -> None:
+    """The nanoserve backend enables faulthandler in its stub: a crash (even on unload) leaves this in the log."""
+    log = Path(log_file).read_text(errors="replace")
+    assert "Fatal Python error" not in log, log[log.index("Fatal Python error"):][:3000]
 
 
 def tiny_repository(dest, checkpoint, models=("nanoserve",), **engine_args) -> Path:

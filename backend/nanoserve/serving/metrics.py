@@ -8,6 +8,9 @@ thread stalls for it. Updates are therefore recorded here and sent by publish() 
 it every PUBLISH_INTERVAL and whenever the last request in flight ends), off the path of the responses: one
 call per counter and changed gauge per interval instead of several per engine step. Histogram samples have no
 batched form: one call each, at publish.
+
+finalize() must close() the Metrics: python_backend deletes a collected family through IPC to tritonserver, and a
+family still alive when the stub tears the model down is collected after that IPC is gone (the stub segfaults).
 """
 from __future__ import annotations
 
@@ -114,3 +117,8 @@ class Metrics:
         samples, self._samples = self._samples, []
         for histogram, value in samples:
             histogram.observe(value)
+
+    def close(self) -> None:
+        """Drop every family and metric now, in finalize(), while the stub can still tell tritonserver. Nothing
+        may be recorded or published afterwards."""
+        vars(self).clear()
