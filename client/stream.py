@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 FLAGS = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True,
-         "return_finish_reason": True}
+         "return_finish_reason": True}  # each sent only to a model that declares it (the ensemble has `stream`)
 
 
 @dataclass
@@ -46,7 +46,13 @@ def sampling_parameters(max_tokens=None, temperature=None, top_p=None, seed=None
     return {key: value for key, value in given.items() if value is not None}
 
 
-def grpc_inputs(prompt: str, params: dict) -> list:
+def accepted_flags(input_names) -> dict:
+    """The FLAGS among a model's inputs (its metadata's input names)."""
+    names = set(input_names)
+    return {name: value for name, value in FLAGS.items() if name in names}
+
+
+def grpc_inputs(prompt: str, params: dict, flags: dict = FLAGS) -> list:
     """The input tensors vllm_backend's clients send (usable with tritonclient.grpc and .grpc.aio)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
@@ -59,7 +65,7 @@ def grpc_inputs(prompt: str, params: dict) -> list:
 
     inputs = [tensor("text_input", prompt.encode(), "BYTES"),
               tensor("sampling_parameters", json.dumps(params).encode(), "BYTES")]
-    return inputs + [tensor(name, value, "BOOL") for name, value in FLAGS.items()]
+    return inputs + [tensor(name, value, "BOOL") for name, value in flags.items()]
 
 
 def first_value(value):
@@ -80,9 +86,10 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
     client = grpcclient.InferenceServerClient(url)
     result = StreamResult()
     try:
+        flags = accepted_flags(i.name for i in _grpc_metadata(client, model).inputs)
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         start = time.perf_counter()
-        client.async_stream_infer(model, grpc_inputs(prompt, params), request_id=request_id,
+        client.async_stream_infer(model, grpc_inputs(prompt, params, flags), request_id=request_id,
                                   enable_empty_final_response=True)
         while True:
             try:
@@ -104,6 +111,15 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
         client.close()
 
 
+def _grpc_metadata(client, model: str):
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return client.get_model_metadata(model)
+    except InferenceServerException as e:  # e.g. an unknown model: the same error type as a failed stream
+        raise RuntimeError(f"{model}: {e}") from None
+
+
 def _sse_events(response):
     """The JSON payloads of a Server-Sent Events body (`data: {...}` lines)."""
     for raw in response:
@@ -116,9 +132,14 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
                 timeout: float = 600.0) -> StreamResult:
     parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
     conn = http.client.HTTPConnection(parsed.hostname, parsed.port or 80, timeout=timeout)
-    body = {"text_input": prompt, "sampling_parameters": json.dumps(params), **FLAGS}
     result = StreamResult()
     try:
+        conn.request("GET", f"/v2/models/{model}")
+        metadata = conn.getresponse()
+        if metadata.status != 200:
+            raise RuntimeError(f"{model}: HTTP {metadata.status}: {metadata.read().decode(errors='replace')}")
+        flags = accepted_flags(i["name"] for i in json.loads(metadata.read()).get("inputs", []))
+        body = {"text_input": prompt, "sampling_parameters": json.dumps(params), **flags}
         start = time.perf_counter()
         conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})

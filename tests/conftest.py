@@ -1,5 +1,9 @@
 import os
+import sys
+from pathlib import Path
 
+# client/ is a top-level folder of the repository, not part of the installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Triton-language kernels run on the CPU through the interpreter; it must be set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

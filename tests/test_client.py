@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # client/ is a top-level folder, not part of the installed package
+from client import bench_serving, stream
+from triton_server import TEST_ENGINE_ARGS, nanoserve_server  # noqa: F401 (fixture)
 
-from client import bench_serving, stream  # noqa: E402
-from triton_server import TEST_ENGINE_ARGS, nanoserve_server  # noqa: E402, F401 (fixture)
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 PROMPT = "The quick brown fox"

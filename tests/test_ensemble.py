@@ -87,6 +87,20 @@ def test_ensemble_streams_the_offline_text(server, llm, prompt):
 
 
 @pytest.mark.triton_server
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_streaming_client_streams_the_ensemble(server, llm, protocol):
+    """client/stream.py sends only the vllm_backend flags a model declares: the ensemble has `stream` only."""
+    from client import stream as client
+
+    params = client.sampling_parameters(max_tokens=N, temperature=0.0, ignore_eos=True)
+    run = client.stream_grpc if protocol == "grpc" else client.stream_http
+    url = server.url_grpc if protocol == "grpc" else server.url_http
+    result = run(url, "ensemble", PROMPTS[0], params)
+    assert result.text == offline(llm, PROMPTS[0]).text and len(result.deltas) > 1
+    assert result.finish_reason == "length" and result.num_output_tokens is None  # the ensemble has no count
+
+
+@pytest.mark.triton_server
 def test_token_model_streams_the_offline_ids(server, llm):
     prompt_ids = llm.tokenizer.encode(PROMPTS[0])
     out = stream(server, "nanoserve_tokens", input_ids=np.array(prompt_ids, np.int32), stream=True, **GREEDY)
