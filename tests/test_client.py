@@ -94,8 +94,24 @@ def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, 
     out = capsys.readouterr().out
     ratios = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if ": served / in-process: " in line]
     assert len(ratios) == 2 and out.count("3 requests, 12 output tokens") == 4
+    order = [line.split(":")[:2] for line in out.splitlines() if "3 requests" in line]
+    assert [side.strip() for _, side in order] == ["served", "in-process", "in-process", "served"]  # drift: ABBA
     median = float(out.rsplit("served / in-process: ", 1)[1].split()[0])
     assert median == pytest.approx(sum(ratios) / 2, abs=1e-3)
+
+
+def test_host_steal_is_the_steal_share_of_the_cpu_time_between_two_readings(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
+    steal = bench_serving.HostSteal(str(stat))
+    stat.write_text("cpu  300 0 100 1000 0 0 0 100 0 0\n")  # +200 user, +50 system, +200 idle, +50 steal
+    assert steal.share() == pytest.approx(50 / 500)
+    assert bench_serving.HostSteal(str(tmp_path / "missing")).share() is None
+    run = bench_serving.RunResult(2.0, 10, steal=0.1)
+    assert run.describe("x", 1).endswith(", host steal 10%")
+    quiet = bench_serving.RunResult(2.0, 10, steal=0.01)
+    assert bench_serving.too_much_steal([quiet, run], 0.05) and not bench_serving.too_much_steal([quiet], 0.05)
+    assert not bench_serving.too_much_steal([run], None)
 
 
 def test_demo_streams_the_offline_completion(tmp_path, qwen3_dir):
