@@ -11,6 +11,7 @@ ignore_eos and a fixed max_tokens, so every request produces exactly that many t
     python client/bench_serving.py --model-repository model_repository          # launches tritonserver itself
     python client/bench_serving.py --url 127.0.0.1:8001 --model-repository DIR   # a server already running
     python client/bench_serving.py --model-repository DIR --rounds 4   # 4 rounds, the order alternating; median ratio
+    python client/bench_serving.py --model-repository DIR --rounds 6 --max-steal 0.03   # median of quiet rounds
 
 Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
