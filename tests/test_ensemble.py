@@ -15,10 +15,11 @@ from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
 
-def ensemble_text(tokenizer, prompt_ids, output_ids) -> str:
+def ensemble_text(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> str:
     """What the ensemble streams: token_arrays per generated token (the token model), then decode_delta on
     each response alone (the postprocessing model)."""
-    stream = Stream(sender=None, request=ParsedRequest(list(prompt_ids), SamplingParams(), stream=True))
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    stream = Stream(sender=None, request=ParsedRequest(list(prompt_ids), params, stream=True))
     text = ""
     for i, token in enumerate(output_ids):
         last = i == len(output_ids) - 1
@@ -26,17 +27,19 @@ def ensemble_text(tokenizer, prompt_ids, output_ids) -> str:
         arrays = token_arrays(stream, out)
         stream.token_ids.append(token)
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
-                             final=bool(arrays["finish_reason"][0]))
+                             final=bool(arrays["finish_reason"][0]),
+                             skip_special_tokens=bool(arrays["skip_special_tokens"][0]))
     return text
 
 
-def engine_text(tokenizer, output_ids) -> str:
-    detokenizer = IncrementalDetokenizer(tokenizer, [])
+def engine_text(tokenizer, output_ids, skip_special_tokens=True) -> str:
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
     return "".join(detokenizer.add([t]) for t in output_ids) + detokenizer.flush()
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("kind", sorted(TOKENIZERS))
-def test_stateless_detokenization_matches_the_engine(kind):
+def test_stateless_detokenization_matches_the_engine(kind, skip_special_tokens):
     tokenizer = TOKENIZERS[kind]()
     rng = random.Random(0)
     prompt = tokenizer.encode(SAMPLE[:20])
@@ -46,7 +49,8 @@ def test_stateless_detokenization_matches_the_engine(kind):
             output = tokenizer.encode(SAMPLE[start:] + SAMPLE)[:rng.randrange(1, 80)]
         else:  # random ids: invalid UTF-8, byte-token runs, special tokens
             output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
-        assert ensemble_text(tokenizer, prompt, output) == engine_text(tokenizer, output)
+        assert (ensemble_text(tokenizer, prompt, output, skip_special_tokens)
+                == engine_text(tokenizer, output, skip_special_tokens))
 
 
 # ---- in tritonserver -------------------------------------------------------------------------------------
@@ -109,6 +113,25 @@ def test_token_model_streams_the_offline_ids(server, llm):
     assert ids == offline(llm, prompt_ids).token_ids
     starts = np.cumsum([0] + [len(r["output_ids"]) for r in out.responses])[:-1]
     assert [r["context_ids"].tolist() for r in out.responses] == [ids[:start][-16:] for start in starts]
+
+
+@pytest.mark.triton_server
+def test_ensemble_keeps_special_tokens_when_asked(server, llm):
+    """skip_special_tokens travels from the token model to the postprocessing with every response."""
+    special = set(llm.tokenizer.all_special_ids)
+    base = {"max_tokens": N, "temperature": 3.0, "ignore_eos": True}  # flat enough to sample one
+    seed = next(seed for seed in range(200)  # a sampled output with a special token in it
+                if special & set(llm.generate(PROMPTS[0], SamplingParams(**base, seed=seed),
+                                              use_tqdm=False)[0].token_ids))
+    texts = {}
+    for skip in (False, True):
+        params = SamplingParams(**base, seed=seed, skip_special_tokens=skip)
+        expected = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].text
+        out = stream(server, "ensemble", text_input=PROMPTS[0], stream=True,
+                     sampling_parameters={**base, "seed": seed, "skip_special_tokens": skip})
+        assert out.error is None and out.text == expected
+        texts[skip] = out.text
+    assert len(texts[False]) > len(texts[True])  # the special tokens' text is in
 
 
 @pytest.mark.triton_server

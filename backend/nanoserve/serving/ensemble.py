@@ -11,6 +11,7 @@ committed(ids) is the text of ids up to the last point no later token can change
 whole). The engine's IncrementalDetokenizer commits at the same points, so the deltas concatenate to the text
 the text model returns; whatever decoding does at the window's start (a dropped leading space, a cut character)
 is the same on both sides of the subtraction and cancels.
+Each response also carries the request's skip_special_tokens, which the postprocessing decodes with.
 Stop strings end generation in the token model too, but the postprocessing does not know them: the ensemble's
 text includes the tokens that completed the match (the text model cuts it before the stop string).
 """
@@ -30,8 +31,8 @@ CONTEXT_IDS = 16
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
 def token_arrays(stream: Stream, output) -> dict | None:
-    """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids and finish_reason
-    ("" until the last response) in every response, so postprocessing needs no state."""
+    """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
+    ("" until the last response) and skip_special_tokens in every response, so postprocessing needs no state."""
     request = stream.request
     if request.stream:
         if not (output.new_token_ids or output.finished):
@@ -49,7 +50,8 @@ def token_arrays(stream: Stream, output) -> dict | None:
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(context, dtype=np.int32),
-            "finish_reason": string_array(output.finish_reason or "")}
+            "finish_reason": string_array(output.finish_reason or ""),
+            "skip_special_tokens": np.array([request.sampling_params.skip_special_tokens], dtype=bool)}
 
 
 def engine_tokenizer(args: dict):
@@ -66,17 +68,19 @@ def engine_tokenizer(args: dict):
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------
-def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool) -> str:
+def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool,
+                 skip_special_tokens: bool = True) -> str:
     ids = list(context_ids) + list(new_ids)
-    after = tokenizer.decode(ids, skip_special_tokens=True) if final else _committed(tokenizer, ids)
-    return after[len(_committed(tokenizer, list(context_ids))):]
+    after = (tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if final
+             else _committed(tokenizer, ids, skip_special_tokens))
+    return after[len(_committed(tokenizer, list(context_ids), skip_special_tokens)):]
 
 
-def _committed(tokenizer, ids: list[int]) -> str:
+def _committed(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
     for end in range(len(ids), 0, -1):
         if _is_byte_token(tokenizer.convert_ids_to_tokens(ids[end - 1])):
             continue
-        text = tokenizer.decode(ids[:end], skip_special_tokens=True)
+        text = tokenizer.decode(ids[:end], skip_special_tokens=skip_special_tokens)
         if not text.endswith(REPLACEMENT):
             return text
     return ""

@@ -16,7 +16,9 @@ class TritonPythonModel:
         new_ids = _input(request, "output_ids").reshape(-1).tolist()
         context_ids = _input(request, "context_ids").reshape(-1).tolist()
         finish_reason = _input(request, "finish_reason")
-        text = decode_delta(self.tokenizer, context_ids, new_ids, final=bool(finish_reason.reshape(-1)[0]))
+        skip = _input(request, "skip_special_tokens")
+        text = decode_delta(self.tokenizer, context_ids, new_ids, final=bool(finish_reason.reshape(-1)[0]),
+                            skip_special_tokens=True if skip is None else bool(skip.reshape(-1)[0]))
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
             pb_utils.Tensor("finish_reason", finish_reason),
@@ -24,4 +26,5 @@ class TritonPythonModel:
 
 
 def _input(request, name):
-    return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
