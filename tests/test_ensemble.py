@@ -1,5 +1,6 @@
 """The ensemble (preprocessing -> nanoserve_tokens -> postprocessing): its stateless detokenization against the
 engine's IncrementalDetokenizer, then in a real tritonserver against the offline engine."""
+import json
 import random
 
 import numpy as np
@@ -15,11 +16,10 @@ from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
 
-def ensemble_text(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -> str:
+def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
     """What the ensemble streams: token_arrays per generated token (the token model), then decode_delta on
     each response alone (the postprocessing model)."""
-    params = SamplingParams(skip_special_tokens=skip_special_tokens)
-    stream = Stream(sender=None, request=ParsedRequest(list(prompt_ids), params, stream=True))
+    stream = Stream(sender=None, request=ParsedRequest(list(prompt_ids), SamplingParams(**params), stream=True))
     text = ""
     for i, token in enumerate(output_ids):
         last = i == len(output_ids) - 1
@@ -28,13 +28,19 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, skip_special_tokens=True) -
         stream.token_ids.append(token)
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
                              final=bool(arrays["finish_reason"][0]),
-                             skip_special_tokens=bool(arrays["skip_special_tokens"][0]))
+                             **json.loads(arrays["detokenize_params"][0]))
     return text
 
 
-def engine_text(tokenizer, output_ids, skip_special_tokens=True) -> str:
-    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens)
-    return "".join(detokenizer.add([t]) for t in output_ids) + detokenizer.flush()
+def engine_run(tokenizer, output_ids, skip_special_tokens=True, stop=(), include_stop_str_in_output=False):
+    """(text, ids generated): the engine's IncrementalDetokenizer, ending the request at a stop string."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens, stop, include_stop_str_in_output)
+    text = ""
+    for i, token in enumerate(output_ids):
+        text += detokenizer.add([token])
+        if detokenizer.finished:
+            return text, output_ids[:i + 1]
+    return text + detokenizer.flush(), output_ids
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -49,8 +55,30 @@ def test_stateless_detokenization_matches_the_engine(kind, skip_special_tokens):
             output = tokenizer.encode(SAMPLE[start:] + SAMPLE)[:rng.randrange(1, 80)]
         else:  # random ids: invalid UTF-8, byte-token runs, special tokens
             output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
-        assert (ensemble_text(tokenizer, prompt, output, skip_special_tokens)
-                == engine_text(tokenizer, output, skip_special_tokens))
+        params = {"skip_special_tokens": skip_special_tokens}
+        expected, generated = engine_run(tokenizer, output, **params)
+        assert ensemble_text(tokenizer, prompt, generated, **params) == expected
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+def test_stop_strings_through_the_ensemble_match_the_engine(kind):
+    """Stop strings cut the ensemble's text where the engine cuts the text model's, and nothing that could still
+    become a stop string is streamed before (the stop strings: pieces of the text itself, up to 12 characters)."""
+    tokenizer = TOKENIZERS[kind]()
+    rng = random.Random(1)
+    prompt = tokenizer.encode(SAMPLE[:20])
+    for trial in range(150):
+        start = rng.randrange(len(SAMPLE))
+        output = tokenizer.encode(SAMPLE[start:] + SAMPLE)[:rng.randrange(1, 80)]
+        whole = tokenizer.decode(output)
+        stops = []
+        for _ in range(rng.randrange(1, 3)):
+            at = rng.randrange(max(len(whole), 1))
+            stops.append(whole[at:at + rng.randrange(1, 13)] if rng.random() < 0.8 else "never-in-the-text")
+        params = {"stop": [s for s in stops if s] or ["never-in-the-text"],
+                  "include_stop_str_in_output": rng.random() < 0.3}
+        expected, generated = engine_run(tokenizer, output, **params)
+        assert ensemble_text(tokenizer, prompt, generated, **params) == expected, (stops, whole)
 
 
 # ---- in tritonserver -------------------------------------------------------------------------------------
@@ -113,6 +141,23 @@ def test_token_model_streams_the_offline_ids(server, llm):
     assert ids == offline(llm, prompt_ids).token_ids
     starts = np.cumsum([0] + [len(r["output_ids"]) for r in out.responses])[:-1]
     assert [r["context_ids"].tolist() for r in out.responses] == [ids[:start][-16:] for start in starts]
+
+
+@pytest.mark.triton_server
+@pytest.mark.parametrize("include", [False, True])
+def test_ensemble_cuts_at_a_stop_string_as_the_text_model(server, llm, include):
+    full = offline(llm, PROMPTS[0]).text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=include)
+    expected = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert expected.finish_reason == "stop" and len(expected.text) < len(full)
+    for streaming in (True, False):
+        inputs = {**GREEDY, "sampling_parameters": {"ignore_eos": True, "include_stop_str_in_output": include}}
+        out = stream(server, "ensemble", text_input=PROMPTS[0], stream=streaming,
+                     stop_words=np.array([stop.encode()], dtype=np.object_), **inputs)
+        assert out.error is None and out.text == expected.text
+        assert out.responses[-1]["finish_reason"].tolist() == [b"stop"]
 
 
 @pytest.mark.triton_server

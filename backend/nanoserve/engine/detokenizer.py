@@ -151,7 +151,7 @@ class IncrementalDetokenizer:
         """Search stop strings in the withheld + new text; release what can no longer be part of a stop."""
         pending = self._held + new_text
         self._held = ""
-        match = _earliest_stop(pending, self.stop) if self.stop else None
+        match = earliest_stop(pending, self.stop) if self.stop else None
         if match is not None:
             stop, start = match
             self.stop_matched = stop
@@ -164,7 +164,7 @@ class IncrementalDetokenizer:
         return pending
 
 
-def _earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
+def earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
     """The stop string occurrence that ends first (the one a token-by-token stream completes first);
     on a tie the longer one. Returns (stop, start index)."""
     best = None

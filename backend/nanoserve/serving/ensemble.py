@@ -11,9 +11,11 @@ committed(ids) is the text of ids up to the last point no later token can change
 whole). The engine's IncrementalDetokenizer commits at the same points, so the deltas concatenate to the text
 the text model returns; whatever decoding does at the window's start (a dropped leading space, a cut character)
 is the same on both sides of the subtraction and cancels.
-Each response also carries the request's skip_special_tokens, which the postprocessing decodes with.
-Stop strings end generation in the token model too, but the postprocessing does not know them: the ensemble's
-text includes the tokens that completed the match (the text model cuts it before the stop string).
+Each response also carries the request's detokenize_params (skip_special_tokens, stop strings and
+include_stop_str_in_output). Stop strings are applied as the engine applies them: the last (longest stop - 1)
+characters of the committed text are withheld until no stop string can start in them, and the final text is cut
+at the earliest stop. Withheld text is recomputed from the window, not remembered, so with stop strings the
+window grows by 4 ids per withheld character (a character is at most 4 tokens: one per UTF-8 byte).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import os
 
 import numpy as np
 
-from nanoserve.engine.detokenizer import REPLACEMENT
+from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop
 from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
@@ -32,7 +34,7 @@ CONTEXT_IDS = 16
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
 def token_arrays(stream: Stream, output) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
-    ("" until the last response) and skip_special_tokens in every response, so postprocessing needs no state."""
+    ("" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
     request = stream.request
     if request.stream:
         if not (output.new_token_ids or output.finished):
@@ -46,12 +48,23 @@ def token_arrays(stream: Stream, output) -> dict | None:
         new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
             output.num_output_tokens
         earlier = []
-    context = earlier[-CONTEXT_IDS:]  # output only: the engine decodes the output without the prompt
+    context = earlier[-context_size(request.sampling_params):]  # output only, as the engine decodes it
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(context, dtype=np.int32),
             "finish_reason": string_array(output.finish_reason or ""),
-            "skip_special_tokens": np.array([request.sampling_params.skip_special_tokens], dtype=bool)}
+            "detokenize_params": string_array(detokenize_params(request.sampling_params))}
+
+
+def context_size(params) -> int:
+    """Ids of context per response: CONTEXT_IDS, plus room for the characters withheld for stop strings."""
+    hold = max((len(s) for s in params.stop if s), default=1) - 1
+    return CONTEXT_IDS + 4 * hold
+
+
+def detokenize_params(params) -> str:
+    return json.dumps({"skip_special_tokens": params.skip_special_tokens, "stop": list(params.stop),
+                       "include_stop_str_in_output": params.include_stop_str_in_output})
 
 
 def engine_tokenizer(args: dict):
@@ -68,12 +81,22 @@ def engine_tokenizer(args: dict):
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------
-def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool,
-                 skip_special_tokens: bool = True) -> str:
+def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool, skip_special_tokens=True,
+                 stop=(), include_stop_str_in_output=False) -> str:
     ids = list(context_ids) + list(new_ids)
+    before = _committed(tokenizer, list(context_ids), skip_special_tokens)
     after = (tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if final
              else _committed(tokenizer, ids, skip_special_tokens))
-    return after[len(_committed(tokenizer, list(context_ids), skip_special_tokens)):]
+    stop = [s for s in stop if s]
+    if not stop:
+        return after[len(before):]
+    hold = max(map(len, stop)) - 1  # as IncrementalDetokenizer withholds
+    pending = after[max(0, len(before) - hold):]  # what earlier responses withheld, and the new text
+    match = earliest_stop(pending, stop)
+    if match is not None:
+        matched, start = match
+        return pending[:start + len(matched) if include_stop_str_in_output else start]
+    return pending if final else pending[:max(0, len(pending) - hold)]
 
 
 def _committed(tokenizer, ids: list[int], skip_special_tokens: bool) -> str:

@@ -55,7 +55,7 @@ TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_I
 TOKEN_OUTPUTS = [
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
     {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": "skip_special_tokens", "data_type": "TYPE_BOOL", "dims": [1]},
+    {"name": "detokenize_params", "data_type": "TYPE_STRING", "dims": [1]},
     *_COMMON_OUTPUTS,
 ]
 

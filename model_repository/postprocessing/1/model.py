@@ -1,4 +1,6 @@
 """Ensemble step 3: output_ids + context_ids -> text_output, statelessly (nanoserve/serving/ensemble.py)."""
+import json
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -16,9 +18,10 @@ class TritonPythonModel:
         new_ids = _input(request, "output_ids").reshape(-1).tolist()
         context_ids = _input(request, "context_ids").reshape(-1).tolist()
         finish_reason = _input(request, "finish_reason")
-        skip = _input(request, "skip_special_tokens")
+        params = _input(request, "detokenize_params")  # skip_special_tokens, stop, include_stop_str_in_output
+        params = {} if params is None else json.loads(params.reshape(-1)[0])
         text = decode_delta(self.tokenizer, context_ids, new_ids, final=bool(finish_reason.reshape(-1)[0]),
-                            skip_special_tokens=True if skip is None else bool(skip.reshape(-1)[0]))
+                            **params)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
             pb_utils.Tensor("finish_reason", finish_reason),
