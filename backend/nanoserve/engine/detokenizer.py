@@ -43,7 +43,7 @@ class IncrementalDetokenizer:
         self._texts = tables[1] if tables and not self.stop else None
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_matched: str | None = None
-        self._hold = max(map(len, self.stop), default=1) - 1  # chars kept back so no stop streams partially
+        self._hold = withheld_chars(self.stop)
         self._ids: list[int] = list(prompt_token_ids[-prompt_context:]) if continue_prompt and prompt_context else []
         if self._bytes is not None:
             self._decode_bytes(self._ids)  # as context only a split character's start matters
@@ -162,6 +162,11 @@ class IncrementalDetokenizer:
         if pending:
             self._parts.append(pending)
         return pending
+
+
+def withheld_chars(stops) -> int:
+    """Characters of released text kept back so that no stop string is streamed in part: the longest - 1."""
+    return max((len(s) for s in stops if s), default=1) - 1
 
 
 def earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:

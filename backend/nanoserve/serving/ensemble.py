@@ -24,7 +24,7 @@ import os
 
 import numpy as np
 
-from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop
+from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop, withheld_chars
 from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
@@ -58,8 +58,7 @@ def token_arrays(stream: Stream, output) -> dict | None:
 
 def context_size(params) -> int:
     """Ids of context per response: CONTEXT_IDS, plus room for the characters withheld for stop strings."""
-    hold = max((len(s) for s in params.stop if s), default=1) - 1
-    return CONTEXT_IDS + 4 * hold
+    return CONTEXT_IDS + 4 * withheld_chars(params.stop)
 
 
 def detokenize_params(params) -> str:
@@ -88,9 +87,7 @@ def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: b
     after = (tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if final
              else _committed(tokenizer, ids, skip_special_tokens))
     stop = [s for s in stop if s]
-    if not stop:
-        return after[len(before):]
-    hold = max(map(len, stop)) - 1  # as IncrementalDetokenizer withholds
+    hold = withheld_chars(stop)  # as IncrementalDetokenizer withholds; 0 without stop strings
     pending = after[max(0, len(before) - hold):]  # what earlier responses withheld, and the new text
     match = earliest_stop(pending, stop)
     if match is not None:
