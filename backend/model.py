@@ -93,7 +93,7 @@ class TritonPythonModel:
         self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
         # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
         # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
-        # instead of stalling the engine for ~0.1 s under the GIL.
+        # instead of walking them all under the GIL while the engine thread waits.
         gc.collect()
         gc.freeze()
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
