@@ -12,6 +12,7 @@ ignore_eos and a fixed max_tokens, so every request produces exactly that many t
     python client/bench_serving.py --url 127.0.0.1:8001 --model-repository DIR   # a server already running
     python client/bench_serving.py --model-repository DIR --rounds 4   # 4 rounds, the order alternating; median ratio
     python client/bench_serving.py --model-repository DIR --rounds 6 --max-steal 0.03   # median of quiet rounds
+    python client/bench_serving.py --model-repository DIR --together --rounds 16   # both loaded, runs paired closely
 
 Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import random
 import statistics
@@ -139,19 +141,33 @@ def run_inprocess(model_dir: str, engine_args: dict, prompts: list[str], params:
     """The same prompts in this process, with at most `concurrency` sequences running, like the server.
     stream: as engine requests that stream, every step's text delta joined per request as a client would
     (the served run's work); else through the offline `LLM.generate`, which detokenizes each output once."""
-    from nanoserve import LLM, SamplingParams
+    with loaded_llm(model_dir, engine_args, concurrency) as llm:
+        return time_inprocess(llm, prompts, params, warmup_prompts, stream)
+
+
+@contextlib.contextmanager
+def loaded_llm(model_dir: str, engine_args: dict, concurrency: int):
+    """An LLM running at most `concurrency` sequences at once, like the server under that many streams."""
+    from nanoserve import LLM
     from nanoserve.config import EngineConfig
 
     default_seqs = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "max_num_seqs")
     engine_args = {**engine_args, "max_num_seqs": min(engine_args.get("max_num_seqs", default_seqs), concurrency)}
-    run = stream_requests if stream else generate_requests
     with LLM(model_dir, **engine_args) as llm:
-        sampling = SamplingParams(**params)
-        if warmup_prompts:
-            run(llm, list(warmup_prompts), sampling, "warmup")
-        start, steal = time.perf_counter(), HostSteal()
-        output_tokens, texts = run(llm, prompts, sampling, "timed")
-        return RunResult(time.perf_counter() - start, output_tokens, texts=texts, steal=steal.share())
+        yield llm
+
+
+def time_inprocess(llm, prompts: list[str], params: dict, warmup_prompts: list[str] = (),
+                   stream: bool = True) -> RunResult:
+    from nanoserve import SamplingParams
+
+    run = stream_requests if stream else generate_requests
+    sampling = SamplingParams(**params)
+    if warmup_prompts:
+        run(llm, list(warmup_prompts), sampling, "warmup")
+    start, steal = time.perf_counter(), HostSteal()
+    output_tokens, texts = run(llm, prompts, sampling, f"timed-{start}")  # request ids new on a reused engine
+    return RunResult(time.perf_counter() - start, output_tokens, texts=texts, steal=steal.share())
 
 
 def generate_requests(llm, prompts: list[str], sampling, name: str) -> tuple[int, list[str]]:
@@ -180,15 +196,47 @@ def served_with_warmup(url: str, args, prompts: list[str], warmup_prompts: list[
 def bench_served(args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
     """One served run: on the server at --url, or on a tritonserver launched for this run and stopped after it
     (a GPU cannot hold two engines at 90% memory, so the in-process run comes after)."""
+    with served_url(args) as url:
+        return served_with_warmup(url, args, prompts, warmup_prompts, params)
+
+
+@contextlib.contextmanager
+def served_url(args):
+    """The gRPC url of the server at --url, or of a tritonserver launched for the block and stopped after it."""
     if args.url:
-        return served_with_warmup(args.url, args, prompts, warmup_prompts, params)
+        yield args.url
+        return
     from nanoserve.serving.launcher import TritonServer, free_ports
 
     log = Path(args.log_file).resolve()
     with TritonServer(args.model_repository, *free_ports(3), log_file=log) as server:
         print(f"starting tritonserver (log: {log})", file=sys.stderr, flush=True)
         server.wait_ready(args.timeout, models=[args.model])
-        return served_with_warmup(server.url_grpc, args, prompts, warmup_prompts, params)
+        yield server.url_grpc
+
+
+def separate_sides(args, model_dir: str, engine_args: dict, params: dict) -> dict:
+    """{side: run(prompts, warmup_prompts)}: each run launches or loads its side, warms it up and stops it."""
+    stream = args.inprocess == "stream"
+    return {"served": lambda prompts, warmup: bench_served(args, prompts, warmup, params),
+            "in-process": lambda prompts, warmup: run_inprocess(model_dir, engine_args, prompts, params,
+                                                                args.concurrency, warmup, stream)}
+
+
+def together_sides(args, model_dir: str, engine_args: dict, params: dict, warmup_prompts: list[str],
+                   stack: contextlib.ExitStack) -> dict:
+    """--together: tritonserver and the in-process engine loaded side by side until `stack` closes, each warmed
+    up once, so that a round's two runs follow each other within seconds. Runs ignore their warmup prompts."""
+    url = stack.enter_context(served_url(args))
+    sides = {"served": lambda prompts, _: asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))}
+    if not args.no_inprocess:
+        llm = stack.enter_context(loaded_llm(model_dir, engine_args, args.concurrency))
+        stream = args.inprocess == "stream"
+        sides["in-process"] = lambda prompts, _: time_inprocess(llm, prompts, params, stream=stream)
+    if warmup_prompts:
+        for run in sides.values():
+            run(warmup_prompts, None)
+    return sides
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -216,6 +264,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="leave out of the median the rounds in which either side's host steal share (/proc/stat, "
                              "printed with each run) was above this, e.g. 0.03: on a shared VM the served side, "
                              "using more cores, is hit harder when the host is busy")
+    parser.add_argument("--together", action="store_true",
+                        help="keep tritonserver and the in-process engine loaded side by side for every round, each "
+                             "warmed up once (a CPU model, or a GPU with memory for both engines): a round's two runs "
+                             "then come seconds apart, the closest pairing on a host whose speed drifts")
     parser.add_argument("--min-ratio", type=float, help="exit 1 when served/in-process is below this")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     parser.add_argument("--log-file", default="bench_serving_tritonserver.log")
@@ -243,21 +295,37 @@ def too_much_steal(runs, max_steal: float | None) -> bool:
     return max_steal is not None and any(run.steal is not None and run.steal > max_steal for run in runs)
 
 
-def run_round(args, round_: int, model_dir: str, engine_args: dict, tokenizer: str, params: dict) -> dict:
+def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
     """{side: RunResult}: each round on new prompts (no prefix-cache hits), the same for both sides."""
-    seed = args.seed + 100 * round_
-    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, seed)
-    warmup_prompts = make_prompts(tokenizer, args.warmup, args.input_len, seed + 1)  # not prefix-cached
+    prompts, warmup_prompts = round_prompts(args, round_, tokenizer)
     runs = {}
     for side in round_order(round_, args.no_inprocess):
+        runs[side] = sides[side](prompts, warmup_prompts)
         if side == "served":
-            runs[side] = bench_served(args, prompts, warmup_prompts, params)
             check_output_tokens(runs[side], args.num_prompts * args.output_len)
-        else:
-            runs[side] = run_inprocess(model_dir, engine_args, prompts, params, args.concurrency,
-                                       warmup_prompts, stream=args.inprocess == "stream")
         print(runs[side].describe(f"{round_}: {side}", args.num_prompts), flush=True)
     return runs
+
+
+def round_prompts(args, round_: int, tokenizer: str) -> tuple[list[str], list[str]]:
+    """A round's prompts and its warmup prompts (others, so that the timed ones are not prefix-cached)."""
+    seed = args.seed + 100 * round_
+    return (make_prompts(tokenizer, args.num_prompts, args.input_len, seed),
+            make_prompts(tokenizer, args.warmup, args.input_len, seed + 1))
+
+
+def run_rounds(args, sides: dict, tokenizer: str) -> tuple[list[float], list[float]]:
+    """(ratios kept, ratios left out for host steal), a round each."""
+    ratios, left_out = [], []
+    for round_ in range(args.rounds):
+        runs = run_round(args, round_, sides, tokenizer)
+        if "in-process" in runs:
+            ratio = runs["served"].tokens_per_s / runs["in-process"].tokens_per_s
+            stolen = too_much_steal(runs.values(), args.max_steal)
+            (left_out if stolen else ratios).append(ratio)
+            print(f"{round_}: served / in-process: {ratio:.3f}{' (left out: host steal)' if stolen else ''}",
+                  flush=True)
+    return ratios, left_out
 
 
 def main(argv=None) -> int:
@@ -268,15 +336,13 @@ def main(argv=None) -> int:
     model_dir = engine_args.pop("model")
     tokenizer = engine_args.get("tokenizer") or model_dir
     params = sampling_parameters(args.output_len, args.temperature, ignore_eos=True)
-    ratios, left_out = [], []
-    for round_ in range(args.rounds):
-        runs = run_round(args, round_, model_dir, engine_args, tokenizer, params)
-        if "in-process" in runs:
-            ratio = runs["served"].tokens_per_s / runs["in-process"].tokens_per_s
-            stolen = too_much_steal(runs.values(), args.max_steal)
-            (left_out if stolen else ratios).append(ratio)
-            print(f"{round_}: served / in-process: {ratio:.3f}{' (left out: host steal)' if stolen else ''}",
-                  flush=True)
+    with contextlib.ExitStack() as stack:
+        if args.together:
+            warmup_prompts = round_prompts(args, -1, tokenizer)[1]
+            sides = together_sides(args, model_dir, engine_args, params, warmup_prompts, stack)
+        else:
+            sides = separate_sides(args, model_dir, engine_args, params)
+        ratios, left_out = run_rounds(args, sides, tokenizer)
     if not ratios:
         if left_out:
             print(f"no round within --max-steal {args.max_steal}: {len(left_out)} left out")

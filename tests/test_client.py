@@ -100,6 +100,36 @@ def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, 
     assert median == pytest.approx(sum(ratios) / 2, abs=1e-3)
 
 
+def test_bench_serving_together_loads_the_inprocess_engine_once(nanoserve_server, capsys, monkeypatch):
+    loads = []
+    loaded_llm = bench_serving.loaded_llm
+
+    def counted(*args):
+        loads.append(args)
+        return loaded_llm(*args)
+
+    monkeypatch.setattr(bench_serving, "loaded_llm", counted)
+    argv = ["--model-repository", str(nanoserve_server.model_repository), "--url", nanoserve_server.url_grpc,
+            "--concurrency", "2", "--num-prompts", "3", "--warmup", "1", "--input-len", "6", "--output-len", "4",
+            "--rounds", "3", "--together"]
+    assert bench_serving.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len(loads) == 1  # the separate mode loads one per in-process run
+    assert out.count("3 requests, 12 output tokens") == 6 and out.count(": served / in-process: ") == 3
+    order = [line.split(":")[1].strip() for line in out.splitlines() if "3 requests" in line]
+    assert order == ["served", "in-process", "in-process", "served", "served", "in-process"]
+
+
+def test_bench_serving_inprocess_reuses_an_engine_with_new_request_ids(qwen3_dir):
+    prompts = bench_serving.make_prompts(qwen3_dir, num_prompts=3, input_len=8, seed=0)
+    params = {"max_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    with bench_serving.loaded_llm(qwen3_dir, TEST_ENGINE_ARGS, 2) as llm:
+        first, again = (bench_serving.time_inprocess(llm, prompts, params, warmup_prompts=prompts[:1])
+                        for _ in range(2))
+        assert first.texts == again.texts and first.output_tokens == again.output_tokens == 3 * 4
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
+
+
 def test_host_steal_is_the_steal_share_of_the_cpu_time_between_two_readings(tmp_path):
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 50 800 0 0 0 50 0 0\ncpu0 1 2 3\n")
