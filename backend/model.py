@@ -26,7 +26,7 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving import request as contract
-from nanoserve.serving.ensemble import token_arrays
+from nanoserve.serving.ensemble import token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import instance_device, load_engine_args
@@ -34,9 +34,9 @@ from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, R
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
-MODES = {  # mode -> (inputs, outputs, prompt input, formatter)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_arrays),
-    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_arrays),
+MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer)
+    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", lambda tokenizer: text_arrays),
+    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter),
 }
 
 
@@ -82,7 +82,7 @@ class TritonPythonModel:
                                                 "{ decoupled: true }")
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
-        _, _, prompt_field, formatter = MODES[self.mode]
+        _, _, prompt_field, make_formatter = MODES[self.mode]
         self.name = args["model_name"]
         engine_args = instance_device(load_engine_args(args["model_repository"], args["model_version"]),
                                       args["model_instance_kind"], args["model_instance_device_id"])
@@ -99,6 +99,7 @@ class TritonPythonModel:
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.metrics = Metrics(pb_utils, self.name, args["model_version"])
         self.engine_thread = EngineThread(self.engine, self.events).start()
+        formatter = make_formatter(self.engine.tokenizer)
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
                                         prompt_field, send_budget=send_budget).start()
         self._request_ids = itertools.count()

@@ -11,7 +11,8 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import decode_delta, token_arrays
+from nanoserve.serving.ensemble import (MAX_SKIPPED_IDS, context_size, context_window, decode_delta,
+                                        special_token_ids, token_arrays)
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
@@ -24,7 +25,7 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
     for i, token in enumerate(output_ids):
         last = i == len(output_ids) - 1
         out = RequestOutput("r", [token], "", last, "length" if last else None, len(prompt_ids), i + 1)
-        arrays = token_arrays(stream, out)
+        arrays = token_arrays(stream, out, special_token_ids(tokenizer))
         stream.token_ids.append(token)
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
                              final=bool(arrays["finish_reason"][0]),
@@ -79,6 +80,38 @@ def test_stop_strings_through_the_ensemble_match_the_engine(kind):
                   "include_stop_str_in_output": rng.random() < 0.3}
         expected, generated = engine_run(tokenizer, output, **params)
         assert ensemble_text(tokenizer, prompt, generated, **params) == expected, (stops, whole)
+
+
+@pytest.mark.parametrize("kind", sorted(TOKENIZERS))
+def test_a_long_run_of_skipped_special_tokens_keeps_the_context(kind):
+    """Skipped special tokens add no text, so the context window holds its text ids on top of them: after a run
+    longer than the window (a model that keeps emitting end tokens under ignore_eos, then text), no space is lost
+    and no withheld text is dropped."""
+    tokenizer = TOKENIZERS[kind]()
+    specials = sorted(special_token_ids(tokenizer))
+    rng = random.Random(2)
+    prompt = tokenizer.encode(SAMPLE[:20])
+    for trial in range(20):
+        start = rng.randrange(len(SAMPLE) - 40)
+        text_ids = tokenizer.encode(SAMPLE[start:start + 40], add_special_tokens=False)
+        cut = rng.randrange(1, len(text_ids))
+        run = [rng.choice(specials) for _ in range(rng.randrange(40, 120))]
+        output = text_ids[:cut] + run + text_ids[cut:]
+        stop_params = {"stop": ["never-in-the-text", SAMPLE[start + 30:start + 36]]} if trial % 2 else {}
+        expected, generated = engine_run(tokenizer, output, **stop_params)
+        assert ensemble_text(tokenizer, prompt, generated, **stop_params) == expected
+
+
+def test_the_context_window_counts_only_ids_that_decoding_keeps():
+    params = SamplingParams()
+    size, special = context_size(params), frozenset({0})
+    text_ids = list(range(1, size + 10))
+    with_run = text_ids[:-4] + [0] * 30 + text_ids[-4:]  # the run 4 ids from the end: inside the window
+    assert context_window(with_run, params, special) == with_run[-(size + 30):]
+    assert context_window(with_run, SamplingParams(skip_special_tokens=False), special) == with_run[-size:]
+    assert context_window(with_run, params, frozenset()) == with_run[-size:]
+    endless = [7] * 5 + [0] * (2 * MAX_SKIPPED_IDS)  # bounded: size + MAX_SKIPPED_IDS ids at most
+    assert context_window(endless, params, special) == endless[-(size + MAX_SKIPPED_IDS):]
 
 
 # ---- in tritonserver -------------------------------------------------------------------------------------

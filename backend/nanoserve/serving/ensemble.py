@@ -15,7 +15,8 @@ Each response also carries the request's detokenize_params (skip_special_tokens,
 include_stop_str_in_output). Stop strings are applied as the engine applies them: the last (longest stop - 1)
 characters of the committed text are withheld until no stop string can start in them, and the final text is cut
 at the earliest stop. Withheld text is recomputed from the window, not remembered, so with stop strings the
-window grows by 4 ids per withheld character (a character is at most 4 tokens: one per UTF-8 byte).
+window grows by 4 ids per withheld character (a character is at most 4 tokens: one per UTF-8 byte). Skipped
+special tokens add no text, so the window holds its size in other ids, the special ones among them on top.
 """
 from __future__ import annotations
 
@@ -29,10 +30,23 @@ from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
 CONTEXT_IDS = 16
+MAX_SKIPPED_IDS = 1024  # special ids a window takes on top of its size; past that, its start may lose a space
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
-def token_arrays(stream: Stream, output) -> dict | None:
+def token_formatter(tokenizer):
+    """The token model's formatter for the response thread, knowing the engine tokenizer's special ids."""
+    special_ids = special_token_ids(tokenizer)
+    return lambda stream, output: token_arrays(stream, output, special_ids)
+
+
+def special_token_ids(tokenizer) -> frozenset[int]:
+    """The ids that decoding with skip_special_tokens drops."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+
+
+def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
     ("" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
     request = stream.request
@@ -48,12 +62,26 @@ def token_arrays(stream: Stream, output) -> dict | None:
         new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
             output.num_output_tokens
         earlier = []
-    context = earlier[-context_size(request.sampling_params):]  # output only, as the engine decodes it
+    context = context_window(earlier, request.sampling_params, special_ids)  # output only, as the engine decodes it
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(context, dtype=np.int32),
             "finish_reason": string_array(output.finish_reason or ""),
             "detokenize_params": string_array(detokenize_params(request.sampling_params))}
+
+
+def context_window(earlier: list[int], params, special_ids: frozenset) -> list[int]:
+    """The shortest tail of earlier with context_size(params) ids that decoding keeps (at most MAX_SKIPPED_IDS
+    skipped special ids on top)."""
+    size = context_size(params)
+    if not (params.skip_special_tokens and special_ids):
+        return earlier[-size:]
+    start, kept = len(earlier), 0
+    limit = max(0, len(earlier) - size - MAX_SKIPPED_IDS)
+    while start > limit and kept < size:
+        start -= 1
+        kept += earlier[start] not in special_ids
+    return earlier[start:]
 
 
 def context_size(params) -> int:
