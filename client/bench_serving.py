@@ -308,10 +308,14 @@ def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
 
 
 def round_prompts(args, round_: int, tokenizer: str) -> tuple[list[str], list[str]]:
-    """A round's prompts and its warmup prompts (others, so that the timed ones are not prefix-cached)."""
-    seed = args.seed + 100 * round_
-    return (make_prompts(tokenizer, args.num_prompts, args.input_len, seed),
-            make_prompts(tokenizer, args.warmup, args.input_len, seed + 1))
+    """A round's prompts and its warmup prompts."""
+    return (make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed + 100 * round_),
+            make_warmup_prompts(args, round_, tokenizer))
+
+
+def make_warmup_prompts(args, round_: int, tokenizer: str) -> list[str]:
+    """Others than the round's, so that its timed prompts are not prefix-cached."""
+    return make_prompts(tokenizer, args.warmup, args.input_len, args.seed + 100 * round_ + 1)
 
 
 def run_rounds(args, sides: dict, tokenizer: str) -> tuple[list[float], list[float]]:
@@ -338,8 +342,8 @@ def main(argv=None) -> int:
     params = sampling_parameters(args.output_len, args.temperature, ignore_eos=True)
     with contextlib.ExitStack() as stack:
         if args.together:
-            warmup_prompts = round_prompts(args, -1, tokenizer)[1]
-            sides = together_sides(args, model_dir, engine_args, params, warmup_prompts, stack)
+            sides = together_sides(args, model_dir, engine_args, params, make_warmup_prompts(args, -1, tokenizer),
+                                   stack)
         else:
             sides = separate_sides(args, model_dir, engine_args, params)
         ratios, left_out = run_rounds(args, sides, tokenizer)
