@@ -14,6 +14,12 @@ ignore_eos and a fixed max_tokens, so every request produces exactly that many t
     python client/bench_serving.py --model-repository DIR --rounds 6 --max-steal 0.03   # median of quiet rounds
     python client/bench_serving.py --model-repository DIR --together --rounds 16   # both loaded, runs paired closely
 
+After each run a `threads:` line (Linux) says what the engine side's threads used meanwhile: CPU seconds and
+seconds runnable but waiting for a CPU. Served: tritonserver's and its stubs' threads (nanoserve's are named
+ns-engine and ns-responses) of a launched server, or of the one whose pid --server-pid gives; in-process: the
+engine's thread. Where a served engine thread's CPU + wait falls short of the run's time, it was blocked: waiting for
+the GIL, or idle between steps for want of requests.
+
 Launched servers are stopped before the in-process run (a GPU cannot hold two engines at 90% memory); with
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
 On a small, busy CPU machine torch's OpenMP threads spin against each other and both numbers swing several-fold:
@@ -25,6 +31,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
 import statistics
 import sys
@@ -34,6 +41,7 @@ from pathlib import Path
 if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from client import thread_times  # noqa: E402
 from client.stream import first_value, grpc_inputs, sampling_parameters  # noqa: E402
 
 
@@ -46,6 +54,7 @@ class RunResult:
     client_cpu: float = 0.0  # served: CPU seconds this client process spent meanwhile
     texts: list[str] = dataclasses.field(default_factory=list)  # in-process: each prompt's output text
     steal: float | None = None  # the host's steal share meanwhile (HostSteal)
+    threads: dict = dataclasses.field(default_factory=dict)  # name -> ThreadTime: the engine side's threads meanwhile
 
     @property
     def tokens_per_s(self) -> float:
@@ -55,8 +64,9 @@ class RunResult:
         ttft = f", mean TTFT {1000 * sum(self.ttfts) / len(self.ttfts):.0f} ms" if self.ttfts else ""
         client = f" ({self.responses} responses, client CPU {self.client_cpu:.2f} s)" if self.responses else ""
         steal = f", host steal {self.steal:.0%}" if self.steal is not None else ""
+        threads = f"\n{'':>12}threads: {thread_times.describe(self.threads)}" if self.threads else ""
         return (f"{name:>10}: {num_requests} requests, {self.output_tokens} output tokens in {self.seconds:.2f} s "
-                f"= {self.tokens_per_s:.1f} tok/s{ttft}{client}{steal}")
+                f"= {self.tokens_per_s:.1f} tok/s{ttft}{client}{steal}{threads}")
 
 
 class HostSteal:
@@ -165,9 +175,11 @@ def time_inprocess(llm, prompts: list[str], params: dict, warmup_prompts: list[s
     sampling = SamplingParams(**params)
     if warmup_prompts:
         run(llm, list(warmup_prompts), sampling, "warmup")
-    start, steal = time.perf_counter(), HostSteal()
+    before, start, steal = thread_times.this_thread(), time.perf_counter(), HostSteal()
     output_tokens, texts = run(llm, prompts, sampling, f"timed-{start}")  # request ids new on a reused engine
-    return RunResult(time.perf_counter() - start, output_tokens, texts=texts, steal=steal.share())
+    after = thread_times.this_thread()
+    return RunResult(time.perf_counter() - start, output_tokens, texts=texts, steal=steal.share(),
+                     threads={} if before is None or after is None else {"engine": after - before})
 
 
 def generate_requests(llm, prompts: list[str], sampling, name: str) -> tuple[int, list[str]]:
@@ -187,24 +199,45 @@ def stream_requests(llm, prompts: list[str], sampling, name: str) -> tuple[int, 
     return output_tokens, ["".join(pieces) for pieces in deltas.values()]
 
 
-def served_with_warmup(url: str, args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
+def timed_served(url: str, server_pid: int | None, args, prompts: list[str], params: dict) -> RunResult:
+    """run_served, with what the server's threads (tritonserver's and its stubs') used meanwhile where its
+    pid is known."""
+    before = thread_times.snapshot(process_group(server_pid))
+    result = asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))
+    result.threads = thread_times.usage(before, thread_times.snapshot(process_group(server_pid)))
+    return result
+
+
+def process_group(pid: int | None) -> list[int]:
+    """The processes in pid's process group (tritonserver and its stubs share one); [] for None or gone."""
+    from nanoserve.serving.launcher import group_members
+
+    try:
+        return group_members(os.getpgid(pid)) if pid else []
+    except ProcessLookupError:
+        return []
+
+
+def served_with_warmup(served: tuple[str, int | None], args, prompts: list[str], warmup_prompts: list[str],
+                       params: dict) -> RunResult:
     if warmup_prompts:
-        asyncio.run(run_served(url, args.model, warmup_prompts, params, args.concurrency))
-    return asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))
+        asyncio.run(run_served(served[0], args.model, warmup_prompts, params, args.concurrency))
+    return timed_served(*served, args, prompts, params)
 
 
 def bench_served(args, prompts: list[str], warmup_prompts: list[str], params: dict) -> RunResult:
     """One served run: on the server at --url, or on a tritonserver launched for this run and stopped after it
     (a GPU cannot hold two engines at 90% memory, so the in-process run comes after)."""
-    with served_url(args) as url:
-        return served_with_warmup(url, args, prompts, warmup_prompts, params)
+    with served_url(args) as served:
+        return served_with_warmup(served, args, prompts, warmup_prompts, params)
 
 
 @contextlib.contextmanager
 def served_url(args):
-    """The gRPC url of the server at --url, or of a tritonserver launched for the block and stopped after it."""
+    """(gRPC url, tritonserver's pid or None): the server at --url (--server-pid), or a tritonserver launched
+    for the block and stopped after it."""
     if args.url:
-        yield args.url
+        yield args.url, args.server_pid
         return
     from nanoserve.serving.launcher import TritonServer, free_ports
 
@@ -212,7 +245,7 @@ def served_url(args):
     with TritonServer(args.model_repository, *free_ports(3), log_file=log) as server:
         print(f"starting tritonserver (log: {log})", file=sys.stderr, flush=True)
         server.wait_ready(args.timeout, models=[args.model])
-        yield server.url_grpc
+        yield server.url_grpc, server.process.pid
 
 
 def separate_sides(args, model_dir: str, engine_args: dict, params: dict) -> dict:
@@ -227,8 +260,8 @@ def together_sides(args, model_dir: str, engine_args: dict, params: dict, warmup
                    stack: contextlib.ExitStack) -> dict:
     """--together: tritonserver and the in-process engine loaded side by side until `stack` closes, each warmed
     up once, so that a round's two runs follow each other within seconds. Runs ignore their warmup prompts."""
-    url = stack.enter_context(served_url(args))
-    sides = {"served": lambda prompts, _: asyncio.run(run_served(url, args.model, prompts, params, args.concurrency))}
+    served = stack.enter_context(served_url(args))
+    sides = {"served": lambda prompts, _: timed_served(*served, args, prompts, params)}
     if not args.no_inprocess:
         llm = stack.enter_context(loaded_llm(model_dir, engine_args, args.concurrency))
         stream = args.inprocess == "stream"
@@ -244,6 +277,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model-repository", required=True, help="the served model's repository (engine args "
                         "come from <repository>/<model>/1/model.json)")
     parser.add_argument("--url", help="gRPC host:port of a running server (default: launch tritonserver)")
+    parser.add_argument("--server-pid", type=int, help="with --url: tritonserver's pid, to print what its threads "
+                        "and its stubs' used during each run (Linux; a launched server's are printed anyway)")
     parser.add_argument("--model", default="nanoserve")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, help="default: --concurrency")

@@ -89,7 +89,7 @@ def test_bench_serving_inprocess_streams_what_generate_returns(qwen3_dir):
 def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, capsys):
     argv = ["--model-repository", str(nanoserve_server.model_repository), "--url", nanoserve_server.url_grpc,
             "--concurrency", "2", "--num-prompts", "3", "--warmup", "1", "--input-len", "6", "--output-len", "4",
-            "--rounds", "2"]
+            "--rounds", "2", "--server-pid", str(nanoserve_server.process.pid)]
     assert bench_serving.main(argv) == 0
     out = capsys.readouterr().out
     ratios = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if ": served / in-process: " in line]
@@ -98,6 +98,23 @@ def test_bench_serving_rounds_print_each_ratio_and_the_median(nanoserve_server, 
     assert [side.strip() for _, side in order] == ["served", "in-process", "in-process", "served"]  # drift: ABBA
     median = float(out.rsplit("served / in-process: ", 1)[1].split()[0])
     assert median == pytest.approx(sum(ratios) / 2, abs=1e-3)
+    if sys.platform.startswith("linux"):  # each run is followed by what its engine side's threads used
+        threads = [line.strip() for line in out.splitlines() if line.strip().startswith("threads: ")]
+        assert len(threads) == 4 and all(line.startswith("threads: engine ") for line in threads[1:3])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_bench_serving_reads_the_server_threads_by_their_names(nanoserve_server, qwen3_dir):
+    args = bench_serving.parse_args(["--model-repository", str(nanoserve_server.model_repository),
+                                     "--concurrency", "2"])
+    prompts = bench_serving.make_prompts(qwen3_dir, num_prompts=3, input_len=6, seed=0)
+    params = {"max_tokens": 8, "ignore_eos": True, "temperature": 0.0}
+    run = bench_serving.timed_served(nanoserve_server.url_grpc, nanoserve_server.process.pid, args, prompts, params)
+    assert run.output_tokens == 3 * 8
+    assert run.threads["ns-engine"].cpu > 0 and run.threads["ns-responses"].cpu > 0  # named in the stub
+    assert "tritonserver" in run.threads  # tritonserver's main thread: the stub's process group is its
+    assert all(t.cpu >= 0 and t.wait >= 0 for t in run.threads.values())
+    assert sum(t.cpu for t in run.threads.values()) <= 2 * os.cpu_count() * run.seconds + 0.5
 
 
 def test_bench_serving_together_loads_the_inprocess_engine_once(nanoserve_server, capsys, monkeypatch):

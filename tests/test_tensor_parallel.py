@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import sys
+from pathlib import Path
 
 import torch
 from test_model_runner import Blocks, make_runner, make_seq, random_ids, run_step
@@ -38,6 +40,8 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly(tiny_models):
         got = _steps(runner)
         procs = list(runner.workers.procs)
         assert all(p.is_alive() for p in procs)
+        if sys.platform.startswith("linux"):  # named for top / ps -e
+            assert [Path(f"/proc/{p.pid}/comm").read_text().strip() for p in procs] == ["ns-tp1"]
     finally:
         runner.shutdown()
     for ours, ref in zip(got, expected):

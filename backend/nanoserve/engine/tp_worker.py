@@ -66,7 +66,9 @@ class TPWorkers:
 
 def worker_main(config, rank: int, dist_port: int, conn) -> None:
     from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.thread_names import set_os_thread_name
 
+    set_os_thread_name(f"ns-tp{rank}")  # what `top` and `ps -e` show for the worker, not "python"
     runner = None
     try:
         conn.send("ready")

@@ -11,6 +11,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class StepResult:
 
 
 class EngineThread:
-    def __init__(self, engine, results: queue.Queue, name: str = "nanoserve-engine"):
+    def __init__(self, engine, results: queue.Queue, name: str = "ns-engine"):
         self.engine = engine
         # The engine's tokenizer belongs to the engine thread: HF tokenizers are not safe to share across threads.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
@@ -61,6 +62,7 @@ class EngineThread:
             self._cond.notify()
 
     def _run(self) -> None:
+        set_os_thread_name(self._thread.name)
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):

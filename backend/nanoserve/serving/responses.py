@@ -17,6 +17,7 @@ import numpy as np
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL
 from nanoserve.serving.request import ParsedRequest
+from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
 TOKEN_LEVEL_OUTPUTS = frozenset({"logprobs", "cumulative_logprob", "num_output_tokens"})
@@ -88,7 +89,7 @@ class ResponseThread:
         self._next_check = 0.0
         self._next_publish = 0.0  # clock() from which recorded metrics are published
         self._cancel_cursor = 0  # where the next round of cancellation checks starts in self.streams
-        self._thread = threading.Thread(target=self._run, name="nanoserve-responses", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="ns-responses", daemon=True)
 
     def start(self) -> "ResponseThread":
         self._thread.start()
@@ -101,6 +102,7 @@ class ResponseThread:
 
     # ---- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        set_os_thread_name(self._thread.name)
         while not self.handle_events(self._next_events(self._wait_time())):
             pass
         for request_id in list(self.streams):
