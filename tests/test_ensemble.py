@@ -11,8 +11,7 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import (MAX_SKIPPED_IDS, context_size, context_window, decode_delta,
-                                        special_token_ids, token_arrays)
+from nanoserve.serving.ensemble import DecodeContext, context_size, decode_delta, special_token_ids, token_arrays
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
@@ -85,8 +84,8 @@ def test_stop_strings_through_the_ensemble_match_the_engine(kind):
 @pytest.mark.parametrize("kind", sorted(TOKENIZERS))
 def test_a_long_run_of_skipped_special_tokens_keeps_the_context(kind):
     """Skipped special tokens add no text, so the context window holds its text ids on top of them: after a run
-    longer than the window (a model that keeps emitting end tokens under ignore_eos, then text), no space is lost
-    and no withheld text is dropped."""
+    longer than the window (a model that keeps emitting end tokens under ignore_eos, then text; the first run
+    thousands of them), no space is lost and no withheld text is dropped."""
     tokenizer = TOKENIZERS[kind]()
     specials = sorted(special_token_ids(tokenizer))
     rng = random.Random(2)
@@ -95,23 +94,27 @@ def test_a_long_run_of_skipped_special_tokens_keeps_the_context(kind):
         start = rng.randrange(len(SAMPLE) - 40)
         text_ids = tokenizer.encode(SAMPLE[start:start + 40], add_special_tokens=False)
         cut = rng.randrange(1, len(text_ids))
-        run = [rng.choice(specials) for _ in range(rng.randrange(40, 120))]
+        run = [rng.choice(specials) for _ in range(rng.randrange(40, 120) if trial else 2500)]
         output = text_ids[:cut] + run + text_ids[cut:]
         stop_params = {"stop": ["never-in-the-text", SAMPLE[start + 30:start + 36]]} if trial % 2 else {}
         expected, generated = engine_run(tokenizer, output, **stop_params)
         assert ensemble_text(tokenizer, prompt, generated, **stop_params) == expected
 
 
-def test_the_context_window_counts_only_ids_that_decoding_keeps():
+def test_the_context_window_holds_its_size_in_ids_that_decoding_keeps():
     params = SamplingParams()
-    size, special = context_size(params), frozenset({0})
-    text_ids = list(range(1, size + 10))
-    with_run = text_ids[:-4] + [0] * 30 + text_ids[-4:]  # the run 4 ids from the end: inside the window
-    assert context_window(with_run, params, special) == with_run[-(size + 30):]
-    assert context_window(with_run, SamplingParams(skip_special_tokens=False), special) == with_run[-size:]
-    assert context_window(with_run, params, frozenset()) == with_run[-size:]
-    endless = [7] * 5 + [0] * (2 * MAX_SKIPPED_IDS)  # bounded: size + MAX_SKIPPED_IDS ids at most
-    assert context_window(endless, params, special) == endless[-(size + MAX_SKIPPED_IDS):]
+    size, special = context_size(params), frozenset({0, 1})
+    text_ids = list(range(2, size + 12))
+    with_run = text_ids[:-4] + [0, 1] * 15 + text_ids[-4:]  # the run 4 ids from the end: inside the window
+    endless = [7] * 5 + [0, 1] * 2500 + [8]  # a run of skipped ids far longer than any window
+    for ids, params, expected in [(with_run, params, text_ids[-size:-4] + [0] + text_ids[-4:]),
+                                  (with_run, SamplingParams(skip_special_tokens=False), with_run[-size:]),
+                                  (endless, params, [7] * 5 + [0, 8])]:
+        context = DecodeContext.of(params, special)
+        for start in range(0, len(ids), 3):  # in responses of 3 ids
+            context.add(ids[start:start + 3])
+            assert len(context.tail) <= 4 * size + 2
+        assert context.window() == expected
 
 
 # ---- in tritonserver -------------------------------------------------------------------------------------
@@ -174,6 +177,7 @@ def test_token_model_streams_the_offline_ids(server, llm):
     assert ids == offline(llm, prompt_ids).token_ids
     starts = np.cumsum([0] + [len(r["output_ids"]) for r in out.responses])[:-1]
     assert [r["context_ids"].tolist() for r in out.responses] == [ids[:start][-16:] for start in starts]
+    assert not set(ids) & special_token_ids(llm.tokenizer)  # else a run of them is cut to one in the context
 
 
 @pytest.mark.triton_server

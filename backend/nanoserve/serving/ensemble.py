@@ -16,12 +16,14 @@ include_stop_str_in_output). Stop strings are applied as the engine applies them
 characters of the committed text are withheld until no stop string can start in them, and the final text is cut
 at the earliest stop. Withheld text is recomputed from the window, not remembered, so with stop strings the
 window grows by 4 ids per withheld character (a character is at most 4 tokens: one per UTF-8 byte). Skipped
-special tokens add no text, so the window holds its size in other ids, the special ones among them on top.
+special tokens add no text: the window holds its size in the ids that decoding keeps, a run of skipped ones cut
+to one id (DecodeContext).
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,7 +32,6 @@ from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
 CONTEXT_IDS = 16
-MAX_SKIPPED_IDS = 1024  # special ids a window takes on top of its size; past that, its start may lose a space
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
@@ -46,42 +47,63 @@ def special_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
 
 
+@dataclass
+class DecodeContext:
+    """A streamed request's decode context, kept in stream.formatter_state: what every response carries, built
+    once, and the tail of its output ids, a run of skipped special ids cut to its first. The cut changes no
+    decoded text (decoding drops them all) and no point where text can be committed (after any of them the text is
+    the same), so a run of them, however long, never pushes the text ids out of the window."""
+    size: int  # ids of context per response that decoding keeps: context_size(params)
+    params: np.ndarray  # detokenize_params, as sent
+    skipped: frozenset  # the ids decoding drops: the special ids when skip_special_tokens, else none
+    tail: list[int] = field(default_factory=list)  # the latest output ids, skipped runs cut to one id
+
+    @classmethod
+    def of(cls, params, special_ids: frozenset) -> "DecodeContext":
+        skipped = special_ids if params.skip_special_tokens else frozenset()
+        return cls(context_size(params), string_array(detokenize_params(params)), skipped)
+
+    def window(self) -> list[int]:
+        """The shortest end of the tail with `size` ids that decoding keeps (all of it when shorter)."""
+        start, kept = len(self.tail), 0
+        while start > 0 and kept < self.size:
+            start -= 1
+            kept += self.tail[start] not in self.skipped
+        return self.tail[start:]
+
+    def add(self, ids: list[int]) -> None:
+        for i in ids:
+            if not (i in self.skipped and self.tail and self.tail[-1] in self.skipped):
+                self.tail.append(i)
+        if len(self.tail) > 4 * self.size + 2:  # twice the longest window: size kept ids, a skipped one around each
+            del self.tail[:-(2 * self.size + 1)]
+
+
 def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
     ("" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
     request = stream.request
+    if stream.formatter_state is None:
+        stream.formatter_state = DecodeContext.of(request.sampling_params, special_ids)
+    context = stream.formatter_state
     if request.stream:
         if not (output.new_token_ids or output.finished):
             return None
         new_ids, logprobs, num_output = output.new_token_ids, output.new_logprobs, len(output.new_token_ids)
-        earlier = stream.token_ids
+        window = context.window()  # output only, as the engine decodes it
+        context.add(new_ids)
     else:
         stream.logprobs += output.new_logprobs
         if not output.finished:
             return None
         new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
             output.num_output_tokens
-        earlier = []
-    context = context_window(earlier, request.sampling_params, special_ids)  # output only, as the engine decodes it
+        window = []
     return {**optional_arrays(request, output, logprobs, num_output),
             "output_ids": np.array(new_ids, dtype=np.int32),
-            "context_ids": np.array(context, dtype=np.int32),
+            "context_ids": np.array(window, dtype=np.int32),
             "finish_reason": string_array(output.finish_reason or ""),
-            "detokenize_params": string_array(detokenize_params(request.sampling_params))}
-
-
-def context_window(earlier: list[int], params, special_ids: frozenset) -> list[int]:
-    """The shortest tail of earlier with context_size(params) ids that decoding keeps (at most MAX_SKIPPED_IDS
-    skipped special ids on top)."""
-    size = context_size(params)
-    if not (params.skip_special_tokens and special_ids):
-        return earlier[-size:]
-    start, kept = len(earlier), 0
-    limit = max(0, len(earlier) - size - MAX_SKIPPED_IDS)
-    while start > limit and kept < size:
-        start -= 1
-        kept += earlier[start] not in special_ids
-    return earlier[start:]
+            "detokenize_params": context.params}
 
 
 def context_size(params) -> int:

@@ -36,6 +36,7 @@ class Stream:
     text: str = ""  # non-streaming: accumulated output
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
+    formatter_state: object = None  # the formatter's own per-request state, if it keeps one
 
 
 @dataclass
