@@ -1,7 +1,11 @@
 """The text model in a real tritonserver: streamed and non-streamed text against the offline engine, HTTP
 generate, optional outputs, validation errors, cancellation. One server for the module."""
 import json
+import socket
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,6 +175,53 @@ def test_cancel_frees_every_kv_block(server, offline):
         before["nanoserve_requests_finished_total{reason=abort}"] + 1
     after = stream(server, MODEL, text_input=PROMPTS[0], stream=True, sampling_parameters=GREEDY)
     assert after.text == offline[PROMPTS[0]].text
+
+
+VANISHING_GRPC_CLIENT = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from serving_utils import open_stream
+class Server: url_grpc = sys.argv[1]
+client, events = open_stream(Server, "nanoserve", text_input="Hi", stream=True,
+                             sampling_parameters={"ignore_eos": True})
+assert events.get(timeout=60)[1] is None
+print("streaming", flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def vanishing_grpc_client(server):
+    """A client process that streams until SIGKILL: its HTTP/2 connection goes away without a cancel."""
+    command = [sys.executable, "-c", VANISHING_GRPC_CLIENT, server.url_grpc, str(Path(__file__).parent)]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "streaming"
+    return lambda: (process.kill(), process.wait(30))
+
+
+def vanishing_http_client(server):
+    """A /generate_stream connection closed after its first event."""
+    host, port = server.url_http.split(":")
+    connection = socket.create_connection((host, int(port)), timeout=60)
+    body = json.dumps({"text_input": "Hi", "parameters": {"stream": True, "ignore_eos": True}}).encode()
+    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                       b"\r\nContent-Length: %d\r\n\r\n%s" % (MODEL.encode(), host.encode(), len(body), body))
+    assert b"data:" in connection.recv(65536)
+    return connection.close
+
+
+@pytest.mark.parametrize("vanishing_client", [vanishing_grpc_client, vanishing_http_client])
+def test_a_client_that_goes_away_is_cancelled(server, offline, vanishing_client):
+    """No cancel request, only a connection gone: the request is aborted and its blocks freed, not generated to
+    max_model_len for nobody."""
+    before = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 0)
+    go_away = vanishing_client(server)
+    metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 1)
+    go_away()
+    values = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 0)
+    assert values["nanoserve_kv_blocks_used"] == 0
+    assert values["nanoserve_requests_finished_total{reason=abort}"] == \
+        before["nanoserve_requests_finished_total{reason=abort}"] + 1
+    assert is_ready(server)
 
 
 def test_concurrent_streams_match_offline(server, offline):
