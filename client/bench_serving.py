@@ -259,7 +259,7 @@ def separate_sides(args, model_dir: str, engine_args: dict, params: dict) -> dic
 def together_sides(args, model_dir: str, engine_args: dict, params: dict, warmup_prompts: list[str],
                    stack: contextlib.ExitStack) -> dict:
     """--together: tritonserver and the in-process engine loaded side by side until `stack` closes, each warmed
-    up once, so that a round's two runs follow each other within seconds. Runs ignore their warmup prompts."""
+    up once, so that a round's two runs follow each other within seconds (rounds bring no warmup prompts)."""
     served = stack.enter_context(served_url(args))
     sides = {"served": lambda prompts, _: timed_served(*served, args, prompts, params)}
     if not args.no_inprocess:
@@ -332,7 +332,8 @@ def too_much_steal(runs, max_steal: float | None) -> bool:
 
 def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
     """{side: RunResult}: each round on new prompts (no prefix-cache hits), the same for both sides."""
-    prompts, warmup_prompts = round_prompts(args, round_, tokenizer)
+    prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed + 100 * round_)
+    warmup_prompts = [] if args.together else make_warmup_prompts(args, round_, tokenizer)  # --together: once
     runs = {}
     for side in round_order(round_, args.no_inprocess):
         runs[side] = sides[side](prompts, warmup_prompts)
@@ -340,12 +341,6 @@ def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
             check_output_tokens(runs[side], args.num_prompts * args.output_len)
         print(runs[side].describe(f"{round_}: {side}", args.num_prompts), flush=True)
     return runs
-
-
-def round_prompts(args, round_: int, tokenizer: str) -> tuple[list[str], list[str]]:
-    """A round's prompts and its warmup prompts."""
-    return (make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed + 100 * round_),
-            make_warmup_prompts(args, round_, tokenizer))
 
 
 def make_warmup_prompts(args, round_: int, tokenizer: str) -> list[str]:

@@ -125,13 +125,18 @@ def test_bench_serving_together_loads_the_inprocess_engine_once(nanoserve_server
         loads.append(args)
         return loaded_llm(*args)
 
+    warmups = []
+    make_warmup_prompts = bench_serving.make_warmup_prompts
     monkeypatch.setattr(bench_serving, "loaded_llm", counted)
+    monkeypatch.setattr(bench_serving, "make_warmup_prompts", lambda *args: warmups.append(args) or
+                        make_warmup_prompts(*args))
     argv = ["--model-repository", str(nanoserve_server.model_repository), "--url", nanoserve_server.url_grpc,
             "--concurrency", "2", "--num-prompts", "3", "--warmup", "1", "--input-len", "6", "--output-len", "4",
             "--rounds", "3", "--together"]
     assert bench_serving.main(argv) == 0
     out = capsys.readouterr().out
     assert len(loads) == 1  # the separate mode loads one per in-process run
+    assert len(warmups) == 1  # and warms each side up before each of its runs
     assert out.count("3 requests, 12 output tokens") == 6 and out.count(": served / in-process: ") == 3
     order = [line.split(":")[1].strip() for line in out.splitlines() if "3 requests" in line]
     assert order == ["served", "in-process", "in-process", "served", "served", "in-process"]
