@@ -210,7 +210,7 @@ def vanishing_http_client(server):
 
 
 @pytest.mark.parametrize("vanishing_client", [vanishing_grpc_client, vanishing_http_client])
-def test_a_client_that_goes_away_is_cancelled(server, offline, vanishing_client):
+def test_a_client_that_goes_away_is_cancelled(server, vanishing_client):
     """No cancel request, only a connection gone: the request is aborted and its blocks freed, not generated to
     max_model_len for nobody."""
     before = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 0)
