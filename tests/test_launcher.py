@@ -67,8 +67,13 @@ def _ip(hex_address: str) -> str:
 
 def listening_sockets(pid: int) -> set[tuple[str, int]]:
     """(address, port) of the TCP sockets process pid listens on."""
-    inodes = {os.readlink(fd)[len("socket:["):-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
-              if os.readlink(fd).startswith("socket:[")}
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            targets.append(os.readlink(fd))
+        except FileNotFoundError:  # closed since the listing: the server's threads open and close fds meanwhile
+            pass
+    inodes = {target[len("socket:["):-1] for target in targets if target.startswith("socket:[")}
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
