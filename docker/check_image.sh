@@ -46,10 +46,20 @@ buildah bud --isolation chroot -v "$TORCH_WHEEL:/tmp/$(basename "$TORCH_WHEEL"):
 # images are removed at exit: vfs storage keeps a full copy of each (~2 GB).
 container=$(buildah from nanoserve)
 read -r -a cmd <<< "$(buildah inspect --format '{{range .OCIv1.Config.Cmd}}{{.}} {{end}}' "$container")"
-buildah run --isolation chroot "$container" -- "${cmd[@]}" > "$WORK/tritonserver.log" 2>&1 &
+command buildah --storage-driver vfs run --isolation chroot "$container" -- "${cmd[@]}" \
+  > "$WORK/tritonserver.log" 2>&1 &
+run=$!
+descendants() {
+  local child
+  for child in $(pgrep -P "$1"); do echo "$child"; descendants "$child"; done
+}
 cleanup() {
-  pkill -f "^/opt/tritonserver/bin/tritonserver" || true
-  sleep 2
+  # SIGTERM to tritonserver itself, which unloads the model and removes its shared memory; killing `buildah run`
+  # would SIGKILL it.
+  for pid in $(descendants "$run"); do
+    [ "$(cat "/proc/$pid/comm" 2> /dev/null)" != tritonserver ] || kill -TERM "$pid"
+  done
+  wait "$run" || true
   buildah rm "$container" > /dev/null
   buildah rmi -f nanoserve "$BASE" > /dev/null
 }
@@ -65,7 +75,7 @@ offline=$(buildah run --isolation chroot "$container" -- python3 -c '
 import json
 from nanoserve import LLM, SamplingParams
 with LLM("/opt/nanoserve/tiny-qwen3", device="cpu") as llm:
-    print(json.dumps(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))[0].text))' 2>/dev/null)
+    print(json.dumps(llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))[0].text))')
 OFFLINE="$offline" .venv/bin/python - <<'EOF'
 import json, os
 from client.stream import sampling_parameters, stream_grpc, stream_http

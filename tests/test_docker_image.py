@@ -21,3 +21,6 @@ def test_the_image_streams_the_offline_engines_text():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the script asserts that both streams equal the offline engine's greedy text, run inside the image
     assert "image check: gRPC and HTTP streams equal the offline engine's greedy text" in result.stdout
+    # stopped with SIGTERM, the image's tritonserver unloaded its model (and so removed its shared memory)
+    log = (Path(os.environ.get("WORK", "/tmp/nanoserve-image-check")) / "tritonserver.log").read_text()
+    assert "successfully unloaded 'nanoserve'" in log, log[-3000:]
