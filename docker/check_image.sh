@@ -10,6 +10,12 @@ cd "$(dirname "$0")/.."
 WORK=${WORK:-/tmp/nanoserve-image-check}
 TORCH_WHEEL=${TORCH_WHEEL:-$(ls /opt/wheels/torch-2.13.0+cpu-cp311-*.whl 2>/dev/null | head -n 1)}
 [ -n "$TORCH_WHEEL" ] || { echo "set TORCH_WHEEL to a CPU torch wheel for Python 3.11" >&2; exit 2; }
+for port in 8000 8001 8002; do
+  if (exec 3<> "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then
+    echo "port $port is in use: the image's tritonserver needs 8000-8002" >&2
+    exit 2
+  fi
+done
 BASE=nvcr.io/nvidia/tritonserver:25.10-py3  # the Dockerfile's default FROM, stood in for locally
 buildah() { command buildah --storage-driver vfs "$@"; }
 site=$(.venv/bin/python -c "import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent.parent)")
@@ -42,7 +48,7 @@ buildah bud --isolation chroot -v "$TORCH_WHEEL:/tmp/$(basename "$TORCH_WHEEL"):
   --build-arg TORCH_SPEC="/tmp/$(basename "$TORCH_WHEEL")" --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
   -f docker/Dockerfile -t nanoserve "$WORK/context"
 
-# Run the image's CMD (chroot isolation shares this machine's network: ports 8000-8002 must be free). Our two
+# Run the image's CMD (chroot isolation shares this machine's network, hence the port check). Our two
 # images are removed at exit: vfs storage keeps a full copy of each (~2 GB).
 container=$(buildah from nanoserve)
 read -r -a cmd <<< "$(buildah inspect --format '{{range .OCIv1.Config.Cmd}}{{.}} {{end}}' "$container")"
@@ -68,6 +74,7 @@ for _ in $(seq 120); do
   curl -sf localhost:8000/v2/health/ready > /dev/null && break
   sleep 1
 done
+curl -sf localhost:8000/v2/health/ready > /dev/null || { tail -n 30 "$WORK/tritonserver.log" >&2; exit 1; }
 .venv/bin/python client/stream.py --prompt "Hello" --max-tokens 16 --temperature 0 --stats
 
 # The reference: the same greedy completion from the offline engine inside the image.
