@@ -198,7 +198,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     params = sampling_parameters(args.max_tokens, args.temperature, args.top_p, args.seed)
     stream = stream_grpc if args.protocol == "grpc" else stream_http
-    result = stream(args.url, args.model, args.prompt, params, on_text=lambda t: print(t, end="", flush=True))
+    try:
+        result = stream(args.url, args.model, args.prompt, params, on_text=lambda t: print(t, end="", flush=True))
+    except (RuntimeError, OSError) as e:  # the server's error (e.g. INVALID_ARG), or no server at --url
+        print(f"\nstream.py: error: {args.url}: {e}", file=sys.stderr)
+        return 1
     print()
     if args.stats:
         print(format_stats(result, count_tokens(result, args.tokenizer)), file=sys.stderr)

@@ -60,6 +60,28 @@ def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
         assert f"output tokens: {MAX_TOKENS}" in done.stderr and "time to first token" in done.stderr
 
 
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cli_reports_a_server_error_in_one_line(nanoserve_server, protocol):
+    url = nanoserve_server.url_grpc if protocol == "grpc" else nanoserve_server.url_http
+    done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), PROMPT, "--protocol", protocol,
+                           "--url", url, "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "max_tokens: must be >= 1, got 0" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cli_reports_no_server_in_one_line(protocol):
+    import socket
+
+    with socket.socket() as closed:  # a port that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{closed.getsockname()[1]}"
+    done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), "hi", "--protocol", protocol,
+                           "--url", url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert f"stream.py: error: {url}:" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_unknown_model_raises(nanoserve_server):
     with pytest.raises(RuntimeError, match="no_such_model"):
         stream.stream_grpc(nanoserve_server.url_grpc, "no_such_model", PROMPT, greedy_params(), timeout=30)
