@@ -50,11 +50,15 @@ def test_http_sse_matches_offline(nanoserve_server, reference):
     assert result.num_output_tokens == MAX_TOKENS and result.finish_reason == "length"
 
 
+def run_cli(prompt: str, protocol: str, url: str, *args: str) -> subprocess.CompletedProcess:
+    """client/stream.py as a user runs it."""
+    return subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), prompt, "--protocol", protocol,
+                           "--url", url, *args], capture_output=True, text=True, timeout=120)
+
+
 def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
     for protocol, url in (("grpc", nanoserve_server.url_grpc), ("http", nanoserve_server.url_http)):
-        done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), PROMPT, "--protocol", protocol,
-                               "--url", url, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--stats"],
-                              capture_output=True, text=True, timeout=120)
+        done = run_cli(PROMPT, protocol, url, "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--stats")
         assert done.returncode == 0, done.stderr
         assert done.stdout == reference.text + "\n"
         assert f"output tokens: {MAX_TOKENS}" in done.stderr and "time to first token" in done.stderr
@@ -63,8 +67,7 @@ def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cli_reports_a_server_error_in_one_line(nanoserve_server, protocol):
     url = nanoserve_server.url_grpc if protocol == "grpc" else nanoserve_server.url_http
-    done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), PROMPT, "--protocol", protocol,
-                           "--url", url, "--max-tokens", "0"], capture_output=True, text=True, timeout=120)
+    done = run_cli(PROMPT, protocol, url, "--max-tokens", "0")
     assert done.returncode == 1
     assert "max_tokens: must be >= 1, got 0" in done.stderr and "Traceback" not in done.stderr
 
@@ -76,8 +79,7 @@ def test_cli_reports_no_server_in_one_line(protocol):
     with socket.socket() as closed:  # a port that nothing listens on
         closed.bind(("127.0.0.1", 0))
         url = f"127.0.0.1:{closed.getsockname()[1]}"
-    done = subprocess.run([sys.executable, str(REPO / "client" / "stream.py"), "hi", "--protocol", protocol,
-                           "--url", url], capture_output=True, text=True, timeout=120)
+    done = run_cli("hi", protocol, url)
     assert done.returncode == 1
     assert f"stream.py: error: {url}:" in done.stderr and "Traceback" not in done.stderr
 
