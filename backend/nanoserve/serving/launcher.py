@@ -30,6 +30,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.cache import build_once, default_cache_dir
+from nanoserve.tiny_model import build_tiny_model
+
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
@@ -337,27 +340,9 @@ def repo_root() -> Path | None:
     return root if (root / "model_repository").is_dir() else None
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-
-
 def tiny_model(cache_dir=None) -> Path:
-    """The default demo checkpoint, built once (random weights, local tokenizer) under cache_dir."""
-    out = Path(cache_dir or default_cache_dir()) / "tiny-qwen3"
-    if (out / "config.json").is_file():
-        return out
-    from nanoserve.tiny_model import build_tiny_model
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=out.parent))
-    build_tiny_model(str(building))
-    try:
-        os.replace(building, out)  # atomic; when a concurrent builder got there first, keep its copy
-    except OSError:
-        shutil.rmtree(building, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
-    return out
+    """The default test checkpoint, built once (random weights, local tokenizer) under cache_dir."""
+    return build_once(Path(cache_dir or default_cache_dir()) / "tiny-qwen3", lambda out: build_tiny_model(str(out)))
 
 
 def make_model_repository(dest, checkpoint, models=None, template=None, **engine_args) -> Path:
