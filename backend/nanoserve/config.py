@@ -8,6 +8,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoserve.models.gguf import as_checkpoint_dir
+
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -16,7 +18,7 @@ DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfl
 
 @dataclass
 class EngineConfig:
-    model: str
+    model: str  # a Hugging Face checkpoint directory, or a .gguf file (converted once into the cache directory)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
@@ -36,9 +38,10 @@ class EngineConfig:
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
-        self.model = os.path.expanduser(self.model)
+        self.model = _checkpoint("model", self.model)
         if not os.path.isdir(self.model):
-            raise ValueError(f"model: {self.model!r} is not a directory (expected a Hugging Face checkpoint)")
+            raise ValueError(f"model: {self.model!r} is not a directory (expected a Hugging Face checkpoint "
+                             f"or a .gguf file)")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -58,8 +61,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib: must be > 0, got {self.cpu_kvcache_space_gib}")
-        if self.tokenizer is None:
-            self.tokenizer = self.model
+        self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
 
     def _load_hf_config(self):
@@ -98,6 +100,13 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **{k: _coerce(cls, k, v) for k, v in engine_args.items()})
+
+
+def _checkpoint(name: str, path: str) -> str:
+    try:
+        return as_checkpoint_dir(os.path.expanduser(path))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _require_positive_int(name: str, value) -> None:
