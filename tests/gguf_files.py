@@ -30,13 +30,15 @@ def rope_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, out_path: str, arch: str, qtype=gguf.GGMLQuantizationType.F32,
-               extra_tensors: dict | None = None) -> str:
-    """hf_dir's weights (2-D ones quantized to qtype, 1-D ones float32), config and tokenizer as a GGUF file."""
+               extra_tensors: dict | None = None, tokenizer: bool = True) -> str:
+    """hf_dir's weights (2-D ones quantized to qtype, 1-D ones float32), config and (unless tokenizer=False)
+    tokenizer as a GGUF file."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     writer = gguf.GGUFWriter(out_path, arch)
     _add_config(writer, config)
-    _add_tokenizer(writer, hf_dir)
+    if tokenizer:
+        _add_tokenizer(writer, hf_dir)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
     for name, weights in sorted(tensors.items()):

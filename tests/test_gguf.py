@@ -151,6 +151,9 @@ def test_errors_name_the_file(hf_dirs, tmp_path):
                      extra_tensors={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
     with pytest.raises(ValueError, match="rope-freqs.gguf: tensor 'rope_freqs.weight' is not supported"):
         checkpoint_dir(odd, cache)
+    untokenized = write_gguf(hf_dirs["qwen2"], str(tmp_path / "no-tokenizer.gguf"), "qwen2", tokenizer=False)
+    with pytest.raises(ValueError, match="no-tokenizer.gguf: no tokenizer could be built from its metadata"):
+        checkpoint_dir(untokenized, cache)
     writer = gguf.GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with pytest.raises(ValueError, match="gpt2.gguf: GGUF architecture 'gpt2' is not supported"):

@@ -69,6 +69,7 @@ def convert(path: Path, out: Path) -> None:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)}")
     config = hf_config(reader, arch, path)
+    _save_tokenizer(path, out)
     tensors = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
@@ -80,7 +81,6 @@ def convert(path: Path, out: Path) -> None:
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(out))
 
 
 def hf_config(reader: GGUFReader, arch: str, path: Path) -> dict:
@@ -129,6 +129,15 @@ def undo_rope_permutation(weights: np.ndarray, num_heads: int) -> np.ndarray:
     half, row i of the second) for GGML's rope; HF's rotate-half rope wants the two halves one after the other."""
     pairs = weights.reshape(num_heads, weights.shape[0] // num_heads // 2, 2, *weights.shape[1:])
     return np.ascontiguousarray(pairs.swapaxes(1, 2).reshape(weights.shape))
+
+
+def _save_tokenizer(path: Path, out: Path) -> None:
+    """The tokenizer and chat template in the file's metadata, as tokenizer files in out."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as e:
+        raise ValueError(f"{path}: no tokenizer could be built from its metadata ({e})") from None
+    tokenizer.save_pretrained(str(out))
 
 
 def _dequantized(tensor, path: Path) -> np.ndarray:
