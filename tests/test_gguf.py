@@ -4,6 +4,7 @@ metadata; the content-keyed cache; errors naming the file; and a trained model (
 whose greedy tokens equal transformers' on the same file."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -21,6 +22,8 @@ from nanoserve import SamplingParams
 from nanoserve.cache import build_once
 from nanoserve.config import EngineConfig
 from nanoserve.models.gguf import checkpoint_dir
+from nanoserve.serving.ensemble import engine_tokenizer
+from nanoserve.serving.model_json import load_engine_args
 
 ARCHS = ("llama", "qwen2", "qwen3")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -91,6 +94,21 @@ def test_greedy_tokens_equal_transformers_on_the_source_checkpoint(arch, hf_dirs
         assert out.token_ids == hf_greedy(hf_dirs[arch], tokenizer.encode(prompt), 12), prompt
 
 
+def test_model_json_and_the_ensemble_tokenizer_take_a_gguf_file(hf_dirs, gguf_files, cache, tmp_path, monkeypatch):
+    """A Triton model's model.json names the file (relative to the model directory); the engine arguments and the
+    pre/postprocessing models' tokenizer resolve it to the converted checkpoint."""
+    monkeypatch.setenv("NANOSERVE_CACHE", cache)
+    shutil.copy(gguf_files["qwen3"], tmp_path / "tiny.gguf")
+    (tmp_path / "repo" / "nanoserve_tokens" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "nanoserve_tokens" / "1" / "model.json").write_text('{"model": "../../tiny.gguf"}')
+    args = load_engine_args(str(tmp_path / "repo" / "nanoserve_tokens"))
+    assert EngineConfig.from_kwargs(args.pop("model"), device="cpu", **args).model == checkpoint_dir(
+        gguf_files["qwen3"], cache)
+    tokenizer = engine_tokenizer({"model_config": json.dumps({"parameters": {}}),
+                                  "model_repository": str(tmp_path / "repo" / "preprocessing")})
+    assert tokenizer.encode("Hello, world!") == AutoTokenizer.from_pretrained(hf_dirs["qwen3"]).encode("Hello, world!")
+
+
 def test_tokenizer_and_chat_template_come_from_the_metadata(hf_dirs, gguf_files, cache):
     original = AutoTokenizer.from_pretrained(hf_dirs["qwen3"])
     converted = AutoTokenizer.from_pretrained(checkpoint_dir(gguf_files["qwen3"], cache))
@@ -108,12 +126,11 @@ def test_conversion_is_cached_by_content(gguf_files, tmp_path):
     first = checkpoint_dir(gguf_files["qwen2"], cache)
     stamp = os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns
     copy = shutil.copy(gguf_files["qwen2"], tmp_path / "renamed-copy.gguf")
-    assert checkpoint_dir(gguf_files["qwen2"], cache) == first
-    assert os.path.basename(checkpoint_dir(copy, cache)).split("-")[-1] == os.path.basename(first).split("-")[-1]
+    assert checkpoint_dir(gguf_files["qwen2"], cache) == first == checkpoint_dir(copy, cache)
     assert os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns == stamp, "converted again"
     with open(copy, "ab") as f:
         f.write(b"\0" * 32)  # the same tensors, but other bytes: another key
-    assert checkpoint_dir(copy, cache).split("-")[-1] != first.split("-")[-1]
+    assert checkpoint_dir(copy, cache) != first
 
 
 def test_concurrent_builders_build_once_and_a_failed_build_leaves_nothing(tmp_path):

@@ -52,7 +52,7 @@ def checkpoint_dir(gguf_path: str, cache_dir: str | None = None) -> str:
     path = Path(gguf_path).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"{gguf_path}: no such GGUF file")
-    out = Path(cache_dir or default_cache_dir()) / "gguf" / f"v{FORMAT_VERSION}" / f"{path.stem}-{_content_hash(path)}"
+    out = Path(cache_dir or default_cache_dir()) / "gguf" / f"v{FORMAT_VERSION}" / _content_hash(path)
     return str(build_once(out, lambda tmp: convert(path, tmp)))
 
 
