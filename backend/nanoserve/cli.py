@@ -81,8 +81,10 @@ def _chat_prompt(tokenizer_path: str | None, question: str) -> str:
     """question as the user's message in the checkpoint's chat template; unchanged when there is none."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path) if tokenizer_path else None
-    if tokenizer is None or not tokenizer.chat_template:
+    if not tokenizer_path or not os.path.isdir(tokenizer_path):  # a missing checkpoint: the server reports it
+        return question
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if not tokenizer.chat_template:
         return question
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)
