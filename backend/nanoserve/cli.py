@@ -1,6 +1,8 @@
-"""`nanoserve` command line: serve a model repository with tritonserver, run the demo, build the tiny model.
+"""`nanoserve` command line: serve a model with tritonserver and an OpenAI-compatible API, run the demo,
+build the tiny model.
 
-    nanoserve serve --model-repository DIR [--http-port 8000 ...] [-- extra tritonserver args]
+    nanoserve serve MODEL [--max-model-len N ...] [-- extra tritonserver args]
+    nanoserve serve --model-repository DIR
     nanoserve demo [--model-repository DIR] [--prompt TEXT]
     nanoserve build-tiny-model OUT_DIR
 """
@@ -12,17 +14,7 @@ import tempfile
 from pathlib import Path
 
 from nanoserve import tiny_model
-from nanoserve.serving import launcher
-
-
-def _serve(args, extra: list[str]) -> int:
-    server = launcher.TritonServer(
-        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
-        log_verbose=args.log_verbose, exit_timeout_secs=args.exit_timeout_secs,
-        disable_auto_complete_config=args.disable_auto_complete_config, extra_args=extra)
-    print(f"nanoserve: tritonserver on {args.host} (HTTP {args.http_port}, gRPC {args.grpc_port}, "
-          f"metrics {args.metrics_port}); Ctrl-C stops it", file=sys.stderr, flush=True)
-    return launcher.serve_until_signal(server)
+from nanoserve.serving import launcher, serve
 
 
 def _stream_module():
@@ -61,37 +53,48 @@ def _build_tiny_model(args, _extra) -> int:
     return tiny_model.main([args.out_dir, "--arch", args.arch, "--seed", str(args.seed)])
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless it says it already or there is none."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A usage mistake is one line (the usage of `serve` alone is dozens), and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nanoserve", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run tritonserver with the nanoserve backend")
-    serve.add_argument("--model-repository", required=True)
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--log-verbose", type=int, default=0)
-    serve.add_argument("--exit-timeout-secs", type=int, default=10)
-    serve.add_argument("--disable-auto-complete-config", action="store_true")
-    serve.set_defaults(run=_serve)
+    serve_parser = commands.add_parser("serve", help="serve a model with tritonserver and the OpenAI API",
+                                       description=serve.__doc__, formatter_class=HelpFormatter)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.run)
 
-    demo = commands.add_parser("demo", help="serve the tiny model (or a repository) and stream one completion")
+    demo = commands.add_parser("demo", help="serve the tiny model (or a repository) and stream one completion",
+                               formatter_class=HelpFormatter)
     demo.add_argument("--model-repository", help="default: the tiny model in a copy of model_repository/")
-    demo.add_argument("--model", default="nanoserve")
-    demo.add_argument("--prompt", default="The future of AI is")
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--temperature", type=float, default=0.0)
-    demo.add_argument("--seed", type=int)
+    demo.add_argument("--model", default="nanoserve", help="the model to stream from")
+    demo.add_argument("--prompt", default="The future of AI is", help="the prompt")
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    demo.add_argument("--seed", type=int, help="sampling seed")
     demo.add_argument("--cache-dir", help="where the tiny model is built once (default ~/.cache/nanoserve)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     demo.set_defaults(run=_demo)
 
-    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR",
+                               formatter_class=HelpFormatter)
+    tiny.add_argument("out_dir", help="the checkpoint directory to write")
+    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3", help="architecture")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(run=_build_tiny_model)
     return parser
 
