@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from nanoserve import tiny_model
+from nanoserve.help_format import ArgumentParser, HelpFormatter
 from nanoserve.serving import launcher, serve
 
 
@@ -51,22 +52,6 @@ def _demo(args, _extra) -> int:
 
 def _build_tiny_model(args, _extra) -> int:
     return tiny_model.main([args.out_dir, "--arch", args.arch, "--seed", str(args.seed)])
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default, unless it says it already or there is none."""
-
-    def _get_help_string(self, action):
-        if "(default" in (action.help or "") or action.default in (None, argparse.SUPPRESS):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """A usage mistake is one line (the usage of `serve` alone is dozens), and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
