@@ -15,7 +15,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.serving.openai_api.chat import render_chat
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
-MODEL = "nanoserve"
+MODEL = "tiny"  # --served-model-name
 N = 12
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Héllo, naïve café?"}]
 GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
@@ -23,8 +23,8 @@ GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
 
 @pytest.fixture(scope="module")
 def served(qwen3_dir, tmp_path_factory):
-    with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--ensemble", "--num-kvcache-blocks",
-                         "128") as served:
+    with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "--ensemble",
+                         "--num-kvcache-blocks", "128") as served:
         yield served
 
 
