@@ -10,9 +10,11 @@ import socket
 from pathlib import Path
 
 from google.protobuf import text_format
+from transformers import AutoTokenizer
 from tritonclient.grpc import model_config_pb2
 
 from nanoserve.config import EngineConfig
+from nanoserve.models.registry import MODELS
 from nanoserve.serving.model_json import gguf_checkpoint, load_engine_args
 
 EXPECTED_MODEL = "expected a Hugging Face checkpoint directory or a .gguf file"
@@ -61,8 +63,6 @@ def check_engine_args(model: str, engine_args: dict) -> EngineConfig:
 
 
 def _check_architecture(config_json: Path) -> None:
-    from nanoserve.models.registry import MODELS
-
     architectures = json.loads(config_json.read_text()).get("architectures") or [None]
     if architectures[0] not in MODELS:
         raise ConfigError(f"{config_json}: architecture {architectures[0]!r} is not supported "
@@ -70,8 +70,6 @@ def _check_architecture(config_json: Path) -> None:
 
 
 def check_tokenizer(directory: Path) -> None:
-    from transformers import AutoTokenizer
-
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise ConfigError(f"tokenizer: {directory} holds no tokenizer ({' or '.join(TOKENIZER_FILES)})")
     try:

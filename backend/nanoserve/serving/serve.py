@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.config import EngineConfig
 from nanoserve.serving import launcher, preflight, triton_log
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.serving.preflight import ConfigError
@@ -95,8 +96,6 @@ def _existing_repository(args: argparse.Namespace) -> Plan:
 
 
 def _engine_dests() -> set[str]:
-    from nanoserve.config import EngineConfig
-
     return {field.name for field in EngineConfig.engine_args()}
 
 
@@ -112,8 +111,11 @@ def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
         raise ConfigError(preflight.one_line(e)) from None
     preflight.check_engine_args(checkpoint, engine_args)
     extra_models = ENSEMBLE_MODELS if args.ensemble else []
-    launcher.make_model_repository(dest, checkpoint, models=["nanoserve", *extra_models],
-                                   rename={"nanoserve": name}, **engine_args)
+    try:
+        launcher.make_model_repository(dest, checkpoint, models=["nanoserve", *extra_models],
+                                       rename={"nanoserve": name}, **engine_args)
+    except FileNotFoundError as e:  # no model_repository/ template: not a source checkout
+        raise ConfigError(preflight.one_line(e)) from None
     return Plan(dest, [name, *(["ensemble"] if args.ensemble else [])], f"{args.model}")
 
 
