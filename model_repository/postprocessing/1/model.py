@@ -4,7 +4,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import decode_delta, engine_tokenizer
+from nanoserve.serving.ensemble import decode_delta, engine_tokenizer, is_final
 
 
 class TritonPythonModel:
@@ -20,7 +20,7 @@ class TritonPythonModel:
         finish_reason = _input(request, "finish_reason")
         params = _input(request, "detokenize_params")  # skip_special_tokens, stop, include_stop_str_in_output
         params = {} if params is None else json.loads(params.reshape(-1)[0])
-        text = decode_delta(self.tokenizer, context_ids, new_ids, final=bool(finish_reason.reshape(-1)[0]),
+        text = decode_delta(self.tokenizer, context_ids, new_ids, final=is_final(finish_reason.reshape(-1)[0]),
                             **params)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
