@@ -127,13 +127,12 @@ def engine_tokenizer(args: dict):
     model in the same repository), so the checkpoint is configured in one model.json."""
     from transformers import AutoTokenizer
 
-    from nanoserve.models.gguf import as_checkpoint_dir
     from nanoserve.serving.model_json import tokenizer_dir
 
     parameters = json.loads(args["model_config"]).get("parameters", {})
     engine_model = parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
     engine_dir = os.path.join(os.path.dirname(args["model_repository"]), engine_model)
-    return AutoTokenizer.from_pretrained(as_checkpoint_dir(tokenizer_dir(engine_dir)))
+    return AutoTokenizer.from_pretrained(tokenizer_dir(engine_dir))
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from nanoserve.models.gguf import as_checkpoint_dir
+
 PATH_ARGS = ("model", "tokenizer")
 
 
@@ -38,14 +40,7 @@ def tokenizer_dir(model_dir: str, version: str = "1") -> str:
     if not os.path.exists(path):
         model_json = os.path.join(model_dir, str(version), "model.json")
         raise ValueError(f"{name}: {path} does not exist (set \"{name}\" in {model_json} to a checkpoint directory)")
-    return gguf_checkpoint(path) if path.endswith(".gguf") else path
-
-
-def gguf_checkpoint(path: str) -> str:
-    """The checkpoint directory a .gguf file is converted into (once, cached)."""
-    from nanoserve.models.gguf import checkpoint_dir  # only where a .gguf is served
-
-    return checkpoint_dir(path)
+    return as_checkpoint_dir(path)
 
 
 def instance_device(engine_args: dict, instance_kind: str, device_id: str | int) -> dict:

@@ -15,7 +15,8 @@ from tritonclient.grpc import model_config_pb2
 
 from nanoserve.config import EngineConfig
 from nanoserve.models.registry import MODELS
-from nanoserve.serving.model_json import gguf_checkpoint, load_engine_args
+from nanoserve.models.gguf import as_checkpoint_dir
+from nanoserve.serving.model_json import load_engine_args
 
 EXPECTED_MODEL = "expected a Hugging Face checkpoint directory or a .gguf file"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -36,7 +37,7 @@ def resolve_checkpoint(model: str) -> str:
         raise ConfigError(f"model: {model} does not exist ({EXPECTED_MODEL})")
     if path.is_file() and path.suffix == ".gguf":
         try:
-            return gguf_checkpoint(str(path))
+            return as_checkpoint_dir(str(path))
         except (ValueError, OSError) as e:
             raise ConfigError(f"model: {path}: {one_line(e)}") from None
     if not path.is_dir():
