@@ -238,6 +238,7 @@ class FakeSender:
 def response_thread(clock, send_budget, metrics=None):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
+                                         record_token_gap=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
                           lambda stream, output: text_arrays(stream, output, str), "text_input",
@@ -394,10 +395,11 @@ def test_closed_metrics_hold_no_family_or_metric():
 
     metrics = Metrics(fake_pb_with_metrics([]), "m", "1")
     metrics.record_engine(engine_stats(running=1, used=2))
-    alive = [weakref.ref(obj) for obj in [*metrics._families, metrics.running, *metrics.finished.values()]]
+    shown = (metric for quantity_metrics in metrics._targets.values() for metric in quantity_metrics)
+    alive = [weakref.ref(obj) for obj in [*metrics._families, *shown, *metrics.finished.values()]]
     metrics.close()
     gc.collect()
-    assert len(alive) == 16 + 2 and all(ref() is None for ref in alive)
+    assert len(alive) == 14 + 13 + 3 and all(ref() is None for ref in alive)
 
 
 def test_the_last_request_in_flight_publishes_before_its_final_response():
