@@ -123,6 +123,8 @@ class TritonPythonModel:
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
                                max_model_len=config.max_model_len)
+        self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
+        self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
         formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,

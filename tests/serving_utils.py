@@ -102,12 +102,13 @@ def stream(server, model: str, parameters: dict | None = None, first_response: t
         client.close()
 
 
-def open_stream(server, model: str, parameters: dict | None = None, **inputs):
+def open_stream(server, model: str, parameters: dict | None = None, request_id: str = "", **inputs):
     """Send one request on a new gRPC stream: (client, queue of (result, error)). Close the client after."""
     client = grpcclient.InferenceServerClient(server.url_grpc)
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
+    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, request_id=request_id,
+                              enable_empty_final_response=True)
     return client, events
 
 

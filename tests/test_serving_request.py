@@ -235,14 +235,14 @@ class FakeSender:
         return getattr(self, "cancelled", False)
 
 
-def response_thread(clock, send_budget, metrics=None):
+def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
                                          record_token_gap=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
-                          lambda stream, output: text_arrays(stream, output, str), "text_input",
-                          send_budget=send_budget, clock=clock)
+                          lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
+                          send_budget=send_budget, every_step=every_step, clock=clock)
 
 
 def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num_steps=8):
@@ -289,6 +289,19 @@ def test_steps_handled_together_count_each_generated_token_once():
     steps = [StepResult(outputs=[output], time=clock.now) for output in outputs_of("a", [(5, "a"), (6, "b"), (7, "c")])]
     thread.handle_events(steps)  # the engine was three steps ahead: one merged response
     assert generated == [3] and sender.sent == [("abc", True)]
+
+
+def test_every_step_sends_each_step_even_held_back_text_at_any_sending_cost():
+    """vllm_backend's streaming (send_every_step): one response per engine step, an empty delta when the step's
+    text is held back, even for steps handled in one round and when sending is slow."""
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=0.1, every_step=True)
+    sender = FakeSender(clock, send_seconds=0.05)
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    outputs = outputs_of("a", [(5, "He"), (6, ""), (7, ""), (8, "llo")])
+    thread.handle_events([StepResult(outputs=[outputs[0]], time=clock.now)])
+    thread.handle_events([StepResult(outputs=[output], time=clock.now) for output in outputs[1:]])
+    assert sender.sent == [("He", False), ("", False), ("", False), ("llo", True)] and not thread.pending
 
 
 def test_non_streaming_sends_one_response_whatever_the_pacing():
