@@ -239,7 +239,7 @@ def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
                                          record_token_gap=lambda s: None,
-                                         record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
+                                         record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
                           lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
                           send_budget=send_budget, every_step=every_step, clock=clock)
@@ -396,6 +396,28 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
     metrics.record_engine(engine_stats(running=2, used=6))
     metrics.publish()
     assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
+
+
+def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
+    from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND, Metrics
+
+    calls, clock = [], FakeClock()
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
+    thread = response_thread(clock, send_budget=1.0, metrics=metrics)
+    for _ in range(SAMPLES_PER_ROUND):  # two samples each: vLLM's two inter-token histograms
+        metrics.record_token_gap(0.01)
+    metrics.record_generated(5)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == SAMPLES_PER_ROUND and metrics.unpublished
+    assert ("increment", "vllm:generation_tokens_total", 5) in calls  # counters and gauges go at once
+    thread.handle_events([])  # the next round, without waiting for PUBLISH_INTERVAL
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND and not metrics.unpublished
+    metrics.record_token_gap(0.01)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND  # the interval again
+    clock.now += PUBLISH_INTERVAL
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND + 2
 
 
 def test_closed_metrics_hold_no_family_or_metric():

@@ -9,7 +9,8 @@ Every metric update is an IPC round trip to tritonserver during which the stub h
 thread stalls for it. Updates are therefore recorded here and sent by publish() (the response thread calls
 it every PUBLISH_INTERVAL and whenever the last request in flight ends), off the path of the responses: one
 call per counter and changed gauge per interval instead of several per engine step. Histogram samples have no
-batched form: one call each, at publish.
+batched form: one call each, at publish; with vLLM's per-token samples these are many, so the response thread
+publishes them a slice at a time between its other work (SAMPLES_PER_ROUND).
 
 finalize() must close() the Metrics: python_backend deletes a collected family through IPC to tritonserver, and a
 family still alive when the stub tears the model down is collected after that IPC is gone (the stub segfaults).
@@ -30,6 +31,7 @@ VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
 VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0]
 PUBLISH_INTERVAL = 0.5  # seconds between publishes while requests run; Prometheus scrapes every few seconds
+SAMPLES_PER_ROUND = 256  # histogram samples per publish (a few ms of IPC), then the response thread sends again
 
 # (quantity, kind, name, description[, buckets]): each family shows one quantity the response thread records.
 NANOSERVE_FAMILIES = [
@@ -171,9 +173,9 @@ class Metrics:
     def unpublished(self) -> bool:
         return bool(self._increments or self._gauges or self._samples)
 
-    def publish(self) -> None:
-        """Send what was recorded since the last publish: each counter's increment, each changed gauge, each
-        histogram sample."""
+    def publish(self, max_samples: int | None = None) -> None:
+        """Send what was recorded since the last publish: each counter's increment, each changed gauge, and
+        histogram samples, the oldest max_samples of them (None: all; the rest stay unpublished)."""
         increments, self._increments = self._increments, {}
         for counter, increment in increments.items():
             counter.increment(increment)
@@ -182,7 +184,8 @@ class Metrics:
             if self._published_gauges.get(gauge) != value:
                 gauge.set(value)
                 self._published_gauges[gauge] = value
-        samples, self._samples = self._samples, []
+        cut = len(self._samples) if max_samples is None else max_samples
+        samples, self._samples = self._samples[:cut], self._samples[cut:]
         for histogram, value in samples:
             histogram.observe(value)
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.metrics import PUBLISH_INTERVAL
+from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.thread_names import set_os_thread_name
 
@@ -206,10 +206,12 @@ class ResponseThread:
             self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _publish_metrics(self, force: bool = False) -> None:
+        """Every PUBLISH_INTERVAL; a backlog of histogram samples goes a slice per round (responses go out between
+        the slices) until it is gone; force publishes everything."""
         now = self.clock()
         if self.metrics.unpublished and (force or now >= self._next_publish):
-            self.metrics.publish()
-            self._next_publish = now + PUBLISH_INTERVAL
+            self.metrics.publish(None if force else SAMPLES_PER_ROUND)
+            self._next_publish = now if self.metrics.unpublished else now + PUBLISH_INTERVAL
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
