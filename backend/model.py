@@ -11,7 +11,9 @@ Without installing the backend, the plain Python backend works too: copy this fi
 stub's interpreter environment, e.g. through the EXECUTION_ENV_PATH parameter or PATH; see docs/serving.md).
 
 config.pbtxt parameter `mode`: "text" (default; the vllm_backend tensor contract: text_input -> text_output)
-or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode context).
+or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode context). Parameters
+`send_budget` and `send_every_step` choose how streams are sent, `REPORT_CUSTOM_METRICS` adds the vllm:* metrics
+(docs/serving.md).
 
 execute() only parses, validates and enqueues. The engine thread owns the LLMEngine and steps the continuous
 batch; the response thread sends every response, sweeps for cancelled requests and updates the metrics.
@@ -29,7 +31,8 @@ from nanoserve.serving import request as contract
 from nanoserve.serving.ensemble import token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import instance_device, load_engine_args
+from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, read_model_json,
+                                          reports_vllm_metrics)
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_formatter
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,21 @@ def _send_budget(model_config: dict) -> float:
     return budget
 
 
+def _parameter(model_config: dict, name: str) -> str:
+    return model_config.get("parameters", {}).get(name, {}).get("string_value", "")
+
+
+class TritonLogHandler(logging.Handler):
+    """Python log records -> tritonserver's log, in its format and levels. pb_utils.Logger only queues the message
+    for the stub's own sender thread, so any thread may log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = pb_utils.Logger
+        log = (logger.log_error if record.levelno >= logging.ERROR else logger.log_warn
+               if record.levelno >= logging.WARNING else logger.log_info)
+        log(self.format(record))
+
+
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
@@ -80,28 +98,37 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("nanoserve needs a decoupled model: model_transaction_policy "
                                                 "{ decoupled: true }")
+        logging.getLogger().addHandler(TritonLogHandler())
+        logging.getLogger("nanoserve").setLevel(logging.INFO)
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
+        every_step = is_true(_parameter(model_config, "send_every_step"))
         _, _, prompt_field, make_formatter = MODES[self.mode]
         self.name = args["model_name"]
-        engine_args = instance_device(load_engine_args(args["model_repository"], args["model_version"]),
-                                      args["model_instance_kind"], args["model_instance_device_id"])
+        model_json = read_model_json(args["model_repository"], args["model_version"])
+        engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
+                                      args["model_instance_device_id"])
+        vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
 
         from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
         from nanoserve.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        config = EngineConfig.from_kwargs(**engine_args)
+        self.engine = LLMEngine(config)
         # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
         # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
         # instead of walking them all under the GIL while the engine thread waits.
         gc.collect()
         gc.freeze()
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
-        self.metrics = Metrics(pb_utils, self.name, args["model_version"])
+        self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
+                               max_model_len=config.max_model_len)
+        self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
+        self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
-        formatter = make_formatter(self.engine.tokenizer)
+        formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field, send_budget=send_budget).start()
+                                        prompt_field, send_budget=send_budget, every_step=every_step).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):
@@ -124,7 +151,8 @@ class TritonPythonModel:
                                    code="INTERNAL"))
             return
         request_id = f"{self.name}-{next(self._request_ids)}"
-        self.events.put(Register(request_id, Stream(sender, parsed)))  # before the engine can answer
+        stream = Stream(sender, parsed, triton_request_id=request.request_id())
+        self.events.put(Register(request_id, stream))  # before the engine can answer
         self.engine_thread.add(request_id, parsed.prompt, parsed.sampling_params)
 
     def finalize(self):

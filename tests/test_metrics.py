@@ -1,6 +1,7 @@
 """/metrics of a real tritonserver against the traffic sent and the offline engine's own counters. The KV pool
 is small (16 blocks of 8 tokens) so that concurrent requests preempt each other. The model runs in the plain
-`backend: "python"` form (backend/model.py copied into the model), the alternative to the nanoserve backend."""
+`backend: "python"` form (backend/model.py copied into the model), the alternative to the nanoserve backend,
+with REPORT_CUSTOM_METRICS: the vllm:* metrics beside the nanoserve_* ones."""
 import threading
 
 import pytest
@@ -18,7 +19,8 @@ PROMPTS = ["The licence grants you the right to", "naïve café — 你好", "de
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir, tmp_path_factory):
-    with triton(tmp_path_factory.mktemp("metrics"), qwen3_dir, [MODEL], plain_python=[MODEL], **ENGINE_ARGS) as server:
+    with triton(tmp_path_factory.mktemp("metrics"), qwen3_dir, [MODEL], plain_python=[MODEL],
+                parameters={"REPORT_CUSTOM_METRICS": "true"}, **ENGINE_ARGS) as server:
         yield server
 
 
@@ -46,6 +48,11 @@ def test_prefix_cache_hit_rate_and_pool_gauges_match_the_engine(server, llm):
     assert values["nanoserve_kv_blocks_total"] == ENGINE_ARGS["num_kvcache_blocks"]
     assert values["nanoserve_kv_blocks_used"] == 0
     assert values["nanoserve_requests_running"] == values["nanoserve_requests_waiting"] == 0
+    vllm = metrics(server, MODEL, prefix="vllm:")
+    assert vllm["vllm:prefix_cache_hits_total"] == hits  # the second prompt repeats the first's blocks
+    assert vllm["vllm:prefix_cache_queries_total"] == hits + computed
+    assert vllm["vllm:kv_cache_usage_perc"] == 0
+    assert vllm["vllm:num_requests_running"] == vllm["vllm:num_requests_waiting"] == 0
 
 
 def test_counters_and_histograms_match_the_traffic(server, llm):
@@ -53,7 +60,7 @@ def test_counters_and_histograms_match_the_traffic(server, llm):
     # cannot hold them all, so the scheduler preempts.
     max_tokens = [96, M, M, M]
     params = [SamplingParams(**{**GREEDY, "max_tokens": n}) for n in max_tokens]
-    before = metrics(server, MODEL)
+    before, vllm_before = metrics(server, MODEL), metrics(server, MODEL, prefix="vllm:")
     results = [None] * len(PROMPTS)
 
     first_running = threading.Event()  # set by the first request's first token
@@ -90,3 +97,17 @@ def test_counters_and_histograms_match_the_traffic(server, llm):
     assert delta(after, before, "nanoserve_prompt_length_tokens_sum") == prompt_tokens
     assert delta(after, before, "nanoserve_generation_length_tokens_sum") == generated
     assert after["nanoserve_kv_blocks_used"] == 0 and after["nanoserve_requests_running"] == 0
+
+    vllm = metrics(server, MODEL, prefix="vllm:")
+    assert delta(vllm, vllm_before, "vllm:prompt_tokens_total") == prompt_tokens
+    assert delta(vllm, vllm_before, "vllm:generation_tokens_total") == generated
+    assert delta(vllm, vllm_before, "vllm:num_preemptions_total") == delta(after, before, "nanoserve_preemptions_total")
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):
+        assert delta(vllm, vllm_before, f"vllm:{name}_count") == k
+    for name in ("inter_token_latency_seconds", "time_per_output_token_seconds"):  # once per token, as vLLM does
+        assert delta(vllm, vllm_before, f"vllm:{name}_count") == generated - k
+        assert vllm[f"vllm:{name}_bucket{{le=+Inf}}"] == vllm[f"vllm:{name}_count"]
+    assert delta(vllm, vllm_before, "vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta(vllm, vllm_before, "vllm:request_generation_tokens_sum") == generated
+    assert vllm["vllm:kv_cache_usage_perc"] == 0 and vllm["vllm:num_requests_running"] == 0

@@ -4,6 +4,7 @@ frees its request's KV blocks; bad parameters are 4xx naming them. One server (w
 import json
 import socket
 import urllib.parse
+import urllib.request
 
 import openai
 import pytest
@@ -24,7 +25,7 @@ GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def served(qwen3_dir, tmp_path_factory):
     with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "--ensemble",
-                         "--num-kvcache-blocks", "128") as served:
+                         "--num-kvcache-blocks", "128", "--report-custom-metrics") as served:
         yield served
 
 
@@ -115,6 +116,19 @@ def test_bad_parameters_are_400_naming_them(client, params, param):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES, **params})
     assert error.value.body["param"].startswith(param) and error.value.body["message"].startswith(param)
+
+
+def test_metrics_on_the_api_port_are_tritonservers_with_the_vllm_gauges(served):
+    """Where vLLM serves them, and where the Gateway API Inference Extension's endpoint picker scrapes them."""
+    with urllib.request.urlopen(served.openai_url.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        page = response.read().decode()
+    gauges = [line for line in page.splitlines() if line.startswith(("vllm:num_requests_waiting{",
+                                                                     "vllm:kv_cache_usage_perc{"))]
+    # the text model and the ensemble's token model (--report-custom-metrics switches both)
+    assert len(gauges) == 4 and any(f'model_name="{MODEL}"' in line for line in gauges)
+    with urllib.request.urlopen(served.url_metrics, timeout=30) as response:
+        assert set(gauges) <= set(response.read().decode().splitlines())
 
 
 def test_unknown_model_is_404(client):

@@ -235,13 +235,14 @@ class FakeSender:
         return getattr(self, "cancelled", False)
 
 
-def response_thread(clock, send_budget, metrics=None):
+def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
-                                         record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
+                                         record_token_gap=lambda s: None,
+                                         record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
-                          lambda stream, output: text_arrays(stream, output, str), "text_input",
-                          send_budget=send_budget, clock=clock)
+                          lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
+                          send_budget=send_budget, every_step=every_step, clock=clock)
 
 
 def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num_steps=8):
@@ -288,6 +289,19 @@ def test_steps_handled_together_count_each_generated_token_once():
     steps = [StepResult(outputs=[output], time=clock.now) for output in outputs_of("a", [(5, "a"), (6, "b"), (7, "c")])]
     thread.handle_events(steps)  # the engine was three steps ahead: one merged response
     assert generated == [3] and sender.sent == [("abc", True)]
+
+
+def test_every_step_sends_each_step_even_held_back_text_at_any_sending_cost():
+    """vllm_backend's streaming (send_every_step): one response per engine step, an empty delta when the step's
+    text is held back, even for steps handled in one round and when sending is slow."""
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=0.1, every_step=True)
+    sender = FakeSender(clock, send_seconds=0.05)
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    outputs = outputs_of("a", [(5, "He"), (6, ""), (7, ""), (8, "llo")])
+    thread.handle_events([StepResult(outputs=[outputs[0]], time=clock.now)])
+    thread.handle_events([StepResult(outputs=[output], time=clock.now) for output in outputs[1:]])
+    assert sender.sent == [("He", False), ("", False), ("", False), ("llo", True)] and not thread.pending
 
 
 def test_non_streaming_sends_one_response_whatever_the_pacing():
@@ -384,6 +398,28 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
     assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
 
 
+def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
+    from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND, Metrics
+
+    calls, clock = [], FakeClock()
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
+    thread = response_thread(clock, send_budget=1.0, metrics=metrics)
+    for _ in range(SAMPLES_PER_ROUND):  # two samples each: vLLM's two inter-token histograms
+        metrics.record_token_gap(0.01)
+    metrics.record_generated(5)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == SAMPLES_PER_ROUND and metrics.unpublished
+    assert ("increment", "vllm:generation_tokens_total", 5) in calls  # counters and gauges go at once
+    thread.handle_events([])  # the next round, without waiting for PUBLISH_INTERVAL
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND and not metrics.unpublished
+    metrics.record_token_gap(0.01)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND  # the interval again
+    clock.now += PUBLISH_INTERVAL
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND + 2
+
+
 def test_closed_metrics_hold_no_family_or_metric():
     """finalize() closes the Metrics so that python_backend deletes every family while the stub can still tell
     tritonserver (a family collected in the stub's teardown segfaults it)."""
@@ -394,10 +430,11 @@ def test_closed_metrics_hold_no_family_or_metric():
 
     metrics = Metrics(fake_pb_with_metrics([]), "m", "1")
     metrics.record_engine(engine_stats(running=1, used=2))
-    alive = [weakref.ref(obj) for obj in [*metrics._families, metrics.running, *metrics.finished.values()]]
+    shown = (metric for quantity_metrics in metrics._targets.values() for metric in quantity_metrics)
+    alive = [weakref.ref(obj) for obj in [*metrics._families, *shown, *metrics.finished.values()]]
     metrics.close()
     gc.collect()
-    assert len(alive) == 16 + 2 and all(ref() is None for ref in alive)
+    assert len(alive) == 14 + 13 + 3 and all(ref() is None for ref in alive)
 
 
 def test_the_last_request_in_flight_publishes_before_its_final_response():

@@ -36,8 +36,9 @@ CONTEXT_IDS = 16
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
-def token_formatter(tokenizer):
-    """The token model's formatter for the response thread, knowing the engine tokenizer's special ids."""
+def token_formatter(tokenizer, every_step: bool = False):
+    """The token model's formatter for the response thread, knowing the engine tokenizer's special ids. Every
+    streamed step has new ids to send, so every_step (see text_formatter) changes nothing here."""
     special_ids = special_token_ids(tokenizer)
     token_text = token_decoder(tokenizer)
     return lambda stream, output: token_arrays(stream, output, special_ids, token_text)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.metrics import PUBLISH_INTERVAL
+from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.thread_names import set_os_thread_name
 
@@ -40,6 +40,7 @@ class Stream:
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
     logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
+    triton_request_id: str = ""  # the id the client gave the Triton request, if any (for the log)
 
 
 @dataclass
@@ -71,11 +72,14 @@ class ResponseThread:
     began. With a few streams a flush takes far less than an engine step and every step is sent at once; with
     many, each response carries the steps that came meanwhile. A request's first and last responses are sent
     at once: time to first token and end-to-end latency never wait.
+
+    every_step: vllm_backend's streaming instead: each engine step's output is sent at once, one response per
+    step and request (the formatter then sends held-back text as an empty delta); no merging, no pacing.
     """
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 clock=time.monotonic):
+                 every_step: bool = False, clock=time.monotonic):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -86,6 +90,7 @@ class ResponseThread:
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
         self.cancel_check_interval = cancel_check_interval
         self.send_budget = send_budget
+        self.every_step = every_step
         self.clock = clock
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
@@ -170,7 +175,12 @@ class ResponseThread:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
-        merge_into(self.pending, (output for step in steps for output in step.outputs))  # after: it joins them
+        outputs = [output for step in steps for output in step.outputs]
+        if self.every_step:
+            for output in outputs:
+                self._send_output(output)
+        else:
+            merge_into(self.pending, outputs)  # after counting: it joins them
 
     def _flush(self, force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
@@ -196,10 +206,12 @@ class ResponseThread:
             self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _publish_metrics(self, force: bool = False) -> None:
+        """Every PUBLISH_INTERVAL; a backlog of histogram samples goes a slice per round (responses go out between
+        the slices) until it is gone; force publishes everything."""
         now = self.clock()
         if self.metrics.unpublished and (force or now >= self._next_publish):
-            self.metrics.publish()
-            self._next_publish = now + PUBLISH_INTERVAL
+            self.metrics.publish(None if force else SAMPLES_PER_ROUND)
+            self._next_publish = now if self.metrics.unpublished else now + PUBLISH_INTERVAL
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -218,6 +230,8 @@ class ResponseThread:
             stream = self.streams[request_id]
             if not stream.cancelled and stream.sender.is_cancelled():
                 stream.cancelled = True
+                triton_id = f" (Triton request id {stream.triton_request_id!r})" if stream.triton_request_id else ""
+                logger.info("nanoserve: request %s%s was cancelled; aborting it", request_id, triton_id)
                 self.engine_thread.abort(request_id)
 
     # ---- one output ---------------------------------------------------------------------------------
@@ -246,6 +260,8 @@ class ResponseThread:
             if stream.first_token is None:
                 stream.first_token = step.time
                 self.metrics.record_first_token(step.time - stream.arrival, output.num_prompt_tokens)
+            else:
+                self.metrics.record_token_gap(step.time - stream.last_token)
             stream.last_token = step.time
 
     def _finish(self, request_id: str, output, arrays: dict) -> None:
@@ -312,10 +328,11 @@ class Generated(NamedTuple):
     ranks: list[int]
 
 
-def text_formatter(tokenizer):
-    """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer."""
+def text_formatter(tokenizer, every_step: bool = False):
+    """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer.
+    every_step: a streamed step whose text is held back still gets a response (an empty delta)."""
     token_text = token_decoder(tokenizer)
-    return lambda stream, output: text_arrays(stream, output, token_text)
+    return lambda stream, output: text_arrays(stream, output, token_text, every_step)
 
 
 def token_decoder(tokenizer):
@@ -326,12 +343,12 @@ def token_decoder(tokenizer):
     return token_text
 
 
-def text_arrays(stream: Stream, output, token_text) -> dict | None:
+def text_arrays(stream: Stream, output, token_text, every_step: bool = False) -> dict | None:
     """Text model: streaming sends deltas (never the prompt); otherwise one response when finished."""
     request = stream.request
     if request.stream:
         token_level = output.new_token_ids and request.outputs & TOKEN_LEVEL_OUTPUTS
-        if not (output.text_delta or output.finished or token_level):
+        if not (output.text_delta or output.finished or token_level or every_step):
             return None  # text held back (an incomplete character or a possible stop string)
         generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         return {"text_output": string_array(output.text_delta),

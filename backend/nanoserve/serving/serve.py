@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in Triton and in the OpenAI API")
     parser.add_argument("--ensemble", action="store_true",
                         help="also serve the tokenizer -> engine -> detokenizer ensemble (a second engine)")
+    parser.add_argument("--report-custom-metrics", action="store_true",
+                        help="also publish the metrics under vLLM's names (vllm:*), as vllm_backend's "
+                             "REPORT_CUSTOM_METRICS parameter does")
     parser.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address every port binds")
     parser.add_argument("--http-port", type=int, default=8000, metavar="PORT", help="Triton's HTTP/REST port")
     parser.add_argument("--grpc-port", type=int, default=8001, metavar="PORT", help="Triton's gRPC port")
@@ -87,9 +90,10 @@ def _existing_repository(args: argparse.Namespace) -> Plan:
     if args.model:
         raise ConfigError(f"MODEL: {args.model} and --model-repository exclude each other")
     given = [name for name, value in vars(args).items() if name in _engine_dests() and value is not None]
-    if given or args.ensemble or args.served_model_name != "nanoserve":
-        raise ConfigError("--model-repository: engine arguments, --served-model-name and --ensemble are for MODEL; "
-                          "a repository sets them in its model.json and folders")
+    if given or args.ensemble or args.report_custom_metrics or args.served_model_name != "nanoserve":
+        raise ConfigError("--model-repository: engine arguments, --served-model-name, --ensemble and "
+                          "--report-custom-metrics are for MODEL; a repository sets them in its model.json, "
+                          "config.pbtxt and folders")
     repository = Path(args.model_repository).resolve()
     preflight.check_repository(repository)
     return Plan(repository, [], f"model repository {repository}")
@@ -116,6 +120,10 @@ def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
                                        rename={"nanoserve": name}, **engine_args)
     except FileNotFoundError as e:  # no model_repository/ template: not a source checkout
         raise ConfigError(preflight.one_line(e)) from None
+    if args.report_custom_metrics:
+        for model in [name, *(["nanoserve_tokens"] if args.ensemble else [])]:
+            with open(dest / model / "config.pbtxt", "a") as config:
+                config.write('parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
     return Plan(dest, [name, *(["ensemble"] if args.ensemble else [])], f"{args.model}")
 
 
@@ -183,7 +191,8 @@ def _start_openai_api(args, server, plan: Plan):
         return None
     from nanoserve.serving.openai_api.server import OpenAIServer  # fastapi, uvicorn: only when it is served
 
-    return OpenAIServer(server.url_grpc, plan.repository, args.host, args.openai_port).start()
+    return OpenAIServer(server.url_grpc, plan.repository, args.host, args.openai_port,
+                        metrics_url=server.url_metrics).start()
 
 
 def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None) -> None:

@@ -1,11 +1,15 @@
 """The FastAPI application: routes, OpenAI-style errors, and cancelling the Triton request of a client that
-went away (a closed stream is cancelled by Starlette; a waiting non-streamed request by unless_disconnected)."""
+went away (a closed stream is cancelled by Starlette; a waiting non-streamed request by unless_disconnected).
+GET /metrics passes tritonserver's Prometheus page on: vLLM serves it on its API's port, and routers that pick a
+replica from its metrics (the Gateway API Inference Extension's endpoint picker) scrape the port they route to."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,7 +17,7 @@ from typing import AsyncIterator
 import tritonclient.grpc.aio as grpcaio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nanoserve.serving.openai_api.chat import render_chat
 from nanoserve.serving.openai_api.errors import APIError, bad_request
@@ -27,7 +31,10 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
 
 
-def create_app(grpc_url: str, repository: Path) -> FastAPI:
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         client = grpcaio.InferenceServerClient(grpc_url)  # on the server's event loop
@@ -51,6 +58,16 @@ def create_app(grpc_url: str, repository: Path) -> FastAPI:
         ready = await request.app.state.client.is_server_ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        if metrics_url is None:
+            return PlainTextResponse("no metrics", status_code=404)
+        try:
+            text = await asyncio.to_thread(read_text, metrics_url)
+        except (urllib.error.URLError, OSError) as e:
+            return PlainTextResponse(f"tritonserver's metrics: {e}", status_code=503)
+        return PlainTextResponse(text, media_type=PROMETHEUS_TEXT)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         await request.app.state.models.require(body.model)
@@ -66,6 +83,11 @@ def create_app(grpc_url: str, repository: Path) -> FastAPI:
         return await respond(request, ChatFormat(body, prompt))
 
     return app
+
+
+def read_text(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read().decode()
 
 
 def validation_error(error: RequestValidationError) -> APIError:

@@ -18,8 +18,10 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # then open streams are closed (their Triton requ
 
 
 class OpenAIServer:
-    def __init__(self, grpc_url: str, repository: Path, host: str, port: int, log_level: str = "warning"):
-        config = uvicorn.Config(create_app(grpc_url, Path(repository)), host=host, port=port, log_level=log_level,
+    def __init__(self, grpc_url: str, repository: Path, host: str, port: int, log_level: str = "warning",
+                 metrics_url: str | None = None):
+        app = create_app(grpc_url, Path(repository), metrics_url)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, lifespan="on")
         self.server = uvicorn.Server(config)
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/v1"
