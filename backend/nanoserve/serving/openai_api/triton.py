@@ -16,7 +16,7 @@ from nanoserve.serving.openai_api.errors import APIError
 @dataclass
 class Chunk:
     """One Triton response: per sequence index, the text delta, finish reason (None until it ends), tokens
-    and their logprobs (vllm_backend's format; None when not asked)."""
+    and their logprobs (vllm_backend's format; None when not asked). `final`: every sequence has ended."""
     texts: list[str]
     finish_reasons: list[str | None] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
@@ -51,28 +51,33 @@ def parse_response(result) -> Chunk:
 
     reasons = [None if reason in ("", "None") else reason for reason in strings("finish_reason")]
     logprobs = [json.loads(entry) for entry in strings("logprobs")]
-    final = result.get_response().parameters["triton_final_response"].bool_param
     num_input = numbers("num_input_tokens")
+    final = bool(reasons) and all(reason is not None for reason in reasons)
     return Chunk(strings("text_output"), reasons, numbers("num_output_tokens"), logprobs,
                  num_input[0] if num_input else None, final)
 
 
 async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
                    request_id: str) -> AsyncIterator[Chunk]:
-    """The request's responses until its final one. Leaving before it (the HTTP client went away: the consumer
-    is cancelled or closes this generator) cancels the gRPC call, and with it the request in the engine."""
+    """The request's responses until its last one: the one where every sequence has its finish reason (the
+    flags-only FINAL that may follow is not asked for: tritonclient 2.69 and newer refuse the parameter that asks
+    for it). Leaving before the last response (the HTTP client went away: the consumer is cancelled or closes
+    this generator) cancels the gRPC call, and with it the request in the engine."""
     async def requests():
-        yield {"model_name": model, "inputs": inputs, "request_id": request_id,
-               "parameters": {"triton_enable_empty_final_response": True}}
+        yield {"model_name": model, "inputs": inputs, "request_id": request_id}
 
     responses = client.stream_infer(requests())
     ended = False  # the request's last response came: tritonserver then ends the stream itself
     try:
         async for result, error in responses:
-            ended = error is not None or result.get_response().parameters["triton_final_response"].bool_param
             if error is not None:
+                ended = True
                 raise triton_error(error.message())
-            yield parse_response(result)
+            chunk = parse_response(result)
+            ended = chunk.final
+            yield chunk
+            if ended:
+                return
     finally:
         if not ended:  # cancelling a stream that has ended can leave tritonserver holding the model at shutdown
             responses.cancel()
