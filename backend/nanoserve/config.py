@@ -33,6 +33,7 @@ class EngineConfig:
     attention_backend: str | None = None  # None: triton on cuda, torch on cpu
     seed: int = 0
     tokenizer: str | None = None  # None: the model directory
+    max_logprobs: int = 20  # the most top logprobs a request may ask for (SamplingParams.logprobs), as vLLM
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -51,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
         for name in ("max_model_len", "num_kvcache_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))

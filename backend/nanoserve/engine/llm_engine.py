@@ -119,6 +119,7 @@ class LLMEngine:
         RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
