@@ -101,7 +101,8 @@ class TritonPythonModel:
         self.engine_thread = EngineThread(self.engine, self.events).start()
         formatter = make_formatter(self.engine.tokenizer)
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field, send_budget=send_budget).start()
+                                        prompt_field, send_budget=send_budget,
+                                        on_engine_failure=self._unload_failed_model).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):
@@ -111,10 +112,15 @@ class TritonPythonModel:
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
+        failure = self.engine_thread.failure
+        if failure is not None:
+            self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
+            return
         try:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
-                                            tokens=self.mode == "tokens")
+                                            tokens=self.mode == "tokens",
+                                            max_model_len=self.engine.config.max_model_len)
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
             return
@@ -126,6 +132,17 @@ class TritonPythonModel:
         request_id = f"{self.name}-{next(self._request_ids)}"
         self.events.put(Register(request_id, Stream(sender, parsed)))  # before the engine can answer
         self.engine_thread.add(request_id, parsed.prompt, parsed.sampling_params)
+
+    def _unload_failed_model(self, failure: str) -> None:
+        """The health check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK, always on): a failed engine unloads its
+        model, which Triton then reports not ready. Triton 2.51 lets a model unload itself only when it runs with
+        --model-control-mode=explicit; otherwise the model stays "ready" and every request gets UNAVAILABLE."""
+        logger.error("nanoserve: the engine of model %r has failed (%s); unloading the model", self.name, failure)
+        try:
+            pb_utils.unload_model(self.name)
+        except pb_utils.TritonModelException as e:
+            logger.error("nanoserve: model %r could not unload itself (%s); it answers every request with "
+                         "UNAVAILABLE until it is reloaded", self.name, e)
 
     def finalize(self):
         self.engine_thread.stop()

@@ -16,7 +16,7 @@ import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL
-from nanoserve.serving.request import ParsedRequest
+from nanoserve.serving.request import ParsedRequest, name_prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class ResponseThread:
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 clock=time.monotonic):
+                 clock=time.monotonic, on_engine_failure=None):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -84,6 +84,8 @@ class ResponseThread:
         self.cancel_check_interval = cancel_check_interval
         self.send_budget = send_budget
         self.clock = clock
+        self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
+        self._engine_failed = False
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -119,6 +121,7 @@ class ResponseThread:
         if steps:
             self._guarded(self._handle_steps, steps)
         self._guarded(self._flush, stopping)
+        self._guarded(self._check_engine)
         self._guarded(self._check_cancelled)
         self._guarded(self._publish_metrics, stopping)
         return stopping
@@ -162,7 +165,7 @@ class ResponseThread:
         for step in steps:
             self._record_timing(step)
             for request_id, message in step.rejected:
-                self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
+                self._fail(request_id, name_prompt_input(message, self.prompt_field), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
@@ -197,6 +200,19 @@ class ResponseThread:
         if self.metrics.unpublished and (force or now >= self._next_publish):
             self.metrics.publish()
             self._next_publish = now + PUBLISH_INTERVAL
+
+    def _check_engine(self) -> None:
+        """Once the engine has failed, no request in flight can end otherwise: end each with UNAVAILABLE (the
+        checks run every cancel_check_interval while requests are in flight)."""
+        failure = self.engine_thread.failure
+        if failure is None:
+            return
+        if not self._engine_failed:
+            self._engine_failed = True
+            if self.on_engine_failure is not None:
+                self.on_engine_failure(failure)
+        for request_id in list(self.streams):
+            self._fail(request_id, f"the model is unavailable: {failure}", self.pb.TritonError.UNAVAILABLE)
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -281,9 +297,6 @@ class ResponseThread:
     def _send_error(self, sender, message: str, code) -> None:
         error = self.pb.TritonError(message, code)
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    def _name_field(self, message: str) -> str:
-        return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
 
 
 def merge_into(pending: dict, outputs) -> None:
