@@ -31,6 +31,7 @@ from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import instance_device, load_engine_args
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
+from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
@@ -100,9 +101,12 @@ class TritonPythonModel:
         self.metrics = Metrics(pb_utils, self.name, args["model_version"])
         self.engine_thread = EngineThread(self.engine, self.events).start()
         formatter = make_formatter(self.engine.tokenizer)
+        server_args = ServerArgs.of_parent()
+        self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
                                         prompt_field, send_budget=send_budget,
-                                        on_engine_failure=self._unload_failed_model).start()
+                                        on_engine_failure=self._unload_failed_model,
+                                        shutdown_watch=self.shutdown_watch).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):
@@ -145,6 +149,8 @@ class TritonPythonModel:
                          "UNAVAILABLE until it is reloaded", self.name, e)
 
     def finalize(self):
+        if self.shutdown_watch is not None:
+            self.shutdown_watch.stop()
         self.engine_thread.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it

@@ -72,7 +72,7 @@ class ResponseThread:
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 clock=time.monotonic, on_engine_failure=None):
+                 clock=time.monotonic, on_engine_failure=None, shutdown_watch=None):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -86,6 +86,7 @@ class ResponseThread:
         self.clock = clock
         self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
         self._engine_failed = False
+        self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -122,6 +123,7 @@ class ResponseThread:
             self._guarded(self._handle_steps, steps)
         self._guarded(self._flush, stopping)
         self._guarded(self._check_engine)
+        self._guarded(self._check_shutdown)
         self._guarded(self._check_cancelled)
         self._guarded(self._publish_metrics, stopping)
         return stopping
@@ -211,8 +213,19 @@ class ResponseThread:
             self._engine_failed = True
             if self.on_engine_failure is not None:
                 self.on_engine_failure(failure)
+        self._end_all(f"the model is unavailable: {failure}")
+
+    def _check_shutdown(self) -> None:
+        """tritonserver is shutting down and its exit timeout is about to cut the requests in flight without a
+        word (serving/shutdown.py): end them with an error their clients see."""
+        deadline = None if self.shutdown_watch is None else self.shutdown_watch.deadline
+        if deadline is not None and self.clock() >= deadline:
+            self._end_all("the server is shutting down: its exit timeout ends this request")
+
+    def _end_all(self, message: str) -> None:
         for request_id in list(self.streams):
-            self._fail(request_id, f"the model is unavailable: {failure}", self.pb.TritonError.UNAVAILABLE)
+            self.engine_thread.abort(request_id)  # frees its blocks (a no-op for a failed engine)
+            self._fail(request_id, message, self.pb.TritonError.UNAVAILABLE)
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
