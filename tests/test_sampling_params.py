@@ -142,3 +142,14 @@ def test_json_that_is_not_an_object(text):
 def test_json_infinity_is_rejected():
     with pytest.raises(ValueError, match=r"^temperature:"):
         SamplingParams.from_json('{"temperature": Infinity}')
+
+
+def test_every_field_has_a_documented_range():
+    """docs/serving.md's table names every numeric field (booleans have no range)."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    table = docs.split("| field | range |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    documented = {name for line in table for name in line.split("|")[1].replace("`", " ").replace(",", " ").split()}
+    numeric = {f.name for f in SamplingParams.__dataclass_fields__.values() if "bool" not in str(f.type)}
+    assert numeric <= documented, numeric - documented
