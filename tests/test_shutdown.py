@@ -34,20 +34,28 @@ class Live(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def test_the_watch_sets_a_deadline_once_http_refuses_connections():
+def test_the_watch_sets_a_deadline_once_http_that_was_up_refuses_connections():
     port = free_ports(1)[0]
-    httpd = http.server.HTTPServer(("127.0.0.1", port), Live)
-    serving = threading.Thread(target=httpd.serve_forever, daemon=True)
-    serving.start()
     clock = FakeClock()
-    watch = ShutdownWatch(ServerArgs("127.0.0.1", port, 10.0), interval=0.05, clock=clock)
-    assert not watch.http_refused()
+    watch = ShutdownWatch(ServerArgs("127.0.0.1", port, 10.0), interval=0.2, clock=clock)
+    assert watch.http_state() == "refused"
+    watch.start()  # not up yet (models still loading): refusals do not count
+    assert watch.deadline is None and not watch.seen_up
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Live)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    wait_for(lambda: watch.seen_up)
+    assert watch.deadline is None
     httpd.shutdown()
     httpd.server_close()
-    assert watch.http_refused()
-    watch.start()
     watch._thread.join(30)
     assert watch.deadline == clock.now + 10.0 - MARGIN
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = threading.Event()
+    threading.Timer(timeout, deadline.set).start()
+    while not condition():
+        assert not deadline.wait(0.05), "condition not met in time"
 
 
 def test_streams_end_with_unavailable_at_the_deadline():

@@ -59,6 +59,7 @@ class ShutdownWatch:
     def __init__(self, server: ServerArgs, interval: float = 1.0, clock=time.monotonic):
         self.server, self.interval, self.clock = server, interval, clock
         self.deadline: float | None = None  # clock() by which the requests in flight must have ended
+        self.seen_up = False  # the HTTP front end starts once every model has loaded: refusals before do not count
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ns-shutdown", daemon=True)
 
@@ -73,20 +74,22 @@ class ShutdownWatch:
     def _run(self) -> None:
         set_os_thread_name(self._thread.name)
         while not self._stop.wait(self.interval):
-            if self.http_refused():
+            state = self.http_state()
+            self.seen_up = self.seen_up or state == "up"
+            if self.seen_up and state == "refused":
                 self.deadline = self.clock() + max(self.server.exit_timeout - MARGIN, 0.0)
                 return
 
-    def http_refused(self) -> bool:
-        """True when the HTTP front end refuses a connection (a timeout, e.g. under load, is not a refusal)."""
+    def http_state(self) -> str:
+        """"up", "refused" (no connection, or reset at once), or "unknown" (e.g. a timeout under load)."""
         connection = http.client.HTTPConnection(self.server.http_host, self.server.http_port, timeout=self.interval)
         try:
             connection.request("GET", "/v2/health/live")
             connection.getresponse().read()
-            return False
+            return "up"
         except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
-            return True
+            return "refused"
         except OSError:
-            return False
+            return "unknown"
         finally:
             connection.close()
