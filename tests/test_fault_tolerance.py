@@ -140,8 +140,11 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
     body = json.dumps({"text_input": PROMPT, "parameters": {"stream": True, "ignore_eos": True}}).encode()
     connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                        b"\r\nContent-Length: %d\r\n\r\n%s" % (MODEL.encode(), len(body), body))
-    received = connection.recv(65536)
-    assert b"data:" in received
+    received = b""
+    while b"data:" not in received:  # the headers, then the first event
+        chunk = connection.recv(65536)
+        assert chunk, received
+        received += chunk
     server.process.send_signal(signal.SIGTERM)
     while not received.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
         chunk = connection.recv(65536)

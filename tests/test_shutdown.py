@@ -1,6 +1,7 @@
 """ShutdownWatch: tritonserver's arguments, noticing its HTTP front end go away, and the response thread ending
 the streams by the deadline (the whole path through a real tritonserver: test_fault_tolerance.py)."""
 import http.server
+import socket
 import threading
 from types import SimpleNamespace
 
@@ -76,3 +77,27 @@ def test_streams_end_with_unavailable_at_the_deadline():
     for sender in senders:
         [(response, flags)] = sender.sent
         assert response["error"].code == "UNAVAILABLE" and "shutting down" in response["error"].message
+
+
+def test_a_front_end_that_drops_connections_is_draining_even_if_never_seen_up():
+    """A model loaded just before SIGTERM never saw the front end up; a drain drops connections (not refused)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def drop_connections():
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")  # close with RST
+            connection.close()
+
+    threading.Thread(target=drop_connections, daemon=True).start()
+    clock = FakeClock()
+    watch = ShutdownWatch(ServerArgs("127.0.0.1", port, 10.0), interval=0.2, clock=clock)
+    assert watch.http_state() == "reset"
+    watch.start()
+    watch._thread.join(30)
+    listener.close()
+    assert watch.deadline == clock.now + 10.0 - MARGIN and not watch.seen_up

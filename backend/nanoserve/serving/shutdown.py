@@ -3,10 +3,11 @@
 On SIGTERM, tritonserver 2.51 waits up to --exit-timeout-secs for its HTTP connections to close (meanwhile it
 refuses new HTTP connections but still takes gRPC requests), then exits and cuts whatever still streams: an HTTP
 SSE stream just stops (no error event), a gRPC stream gets GOAWAY. The model is never told: its requests are not
-cancelled, it stays ready, finalize() is not called. What it can see is that the HTTP front end stops taking
-connections at once, so ShutdownWatch asks it for /v2/health/live every `interval` seconds; from the first refusal
-the requests in flight have until exit timeout - MARGIN (`deadline`) before the response thread ends them with
-UNAVAILABLE. The address, port and exit timeout come from tritonserver's command line (the stub's parent).
+cancelled, it stays ready, finalize() is not called. What it can see is that the HTTP front end stops serving new
+connections at once (it accepts and drops them), so ShutdownWatch asks it for /v2/health/live every `interval`
+seconds; from the first refusal the requests in flight have until exit timeout - MARGIN (`deadline`) before the
+response thread ends them with UNAVAILABLE. The address, port and exit timeout come from tritonserver's command
+line (the stub's parent).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class ShutdownWatch:
     def __init__(self, server: ServerArgs, interval: float = 1.0, clock=time.monotonic):
         self.server, self.interval, self.clock = server, interval, clock
         self.deadline: float | None = None  # clock() by which the requests in flight must have ended
-        self.seen_up = False  # the HTTP front end starts once every model has loaded: refusals before do not count
+        self.seen_up = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ns-shutdown", daemon=True)
 
@@ -72,23 +73,27 @@ class ShutdownWatch:
         self._thread.join(5)
 
     def _run(self) -> None:
+        """Draining, the front end accepts a connection and drops it ("reset"). A closed port ("refused") means
+        the same only once it was seen up: tritonserver opens it after every model has loaded."""
         set_os_thread_name(self._thread.name)
         while not self._stop.wait(self.interval):
             state = self.http_state()
             self.seen_up = self.seen_up or state == "up"
-            if self.seen_up and state == "refused":
+            if state == "reset" or state == "refused" and self.seen_up:
                 self.deadline = self.clock() + max(self.server.exit_timeout - MARGIN, 0.0)
                 return
 
     def http_state(self) -> str:
-        """"up", "refused" (no connection, or reset at once), or "unknown" (e.g. a timeout under load)."""
+        """"up", "reset", "refused", or "unknown" (e.g. a timeout under load)."""
         connection = http.client.HTTPConnection(self.server.http_host, self.server.http_port, timeout=self.interval)
         try:
             connection.request("GET", "/v2/health/live")
             connection.getresponse().read()
             return "up"
-        except (ConnectionRefusedError, ConnectionResetError, http.client.RemoteDisconnected):
+        except ConnectionRefusedError:
             return "refused"
+        except (ConnectionResetError, http.client.RemoteDisconnected):
+            return "reset"
         except OSError:
             return "unknown"
         finally:
