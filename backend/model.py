@@ -30,13 +30,13 @@ from nanoserve.serving.ensemble import token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import instance_device, load_engine_args
-from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
+from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_formatter
 from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", lambda tokenizer: text_arrays),
+    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_formatter),
     "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter),
 }
 

@@ -11,7 +11,7 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import (DecodeContext, DetokenizeRequest, context_size, decode_delta,
+from nanoserve.serving.ensemble import (DecodeContext, DetokenizeRequest, context_size, decode_delta, is_final,
                                        special_token_ids, token_arrays)
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
@@ -28,7 +28,7 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
         arrays = token_arrays(stream, out, special_token_ids(tokenizer))
         stream.token_ids.append(token)
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
-                             final=bool(arrays["finish_reason"][0]),
+                             final=is_final(arrays["finish_reason"][0]),
                              **json.loads(arrays["detokenize_params"][0]))
     return text
 

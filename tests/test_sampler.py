@@ -314,10 +314,11 @@ def test_logprobs_are_log_softmax_and_top_n_are_the_largest():
         token = out.token_ids[i]
         assert out.sampled_logprobs[i] == pytest.approx(reference[token], abs=1e-5)
         if n is None:
-            assert out.top_logprobs[i] is None
+            assert out.top_logprobs[i] is None and out.sampled_ranks[i] is None
             continue
         largest = sorted(range(40), key=lambda t: -reference[t])[:n]
         assert set(out.top_logprobs[i]) == set(largest) | {token}
+        assert out.sampled_ranks[i] == sum(value >= reference[token] for value in reference)  # vLLM's rank
         for t, value in out.top_logprobs[i].items():
             assert value == pytest.approx(reference[t], abs=1e-5)
 

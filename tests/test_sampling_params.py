@@ -149,7 +149,7 @@ def test_every_field_has_a_documented_range():
     from pathlib import Path
 
     docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
-    table = docs.split("| field | range |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    table = docs.split("| parameter | default | range |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     documented = {name for line in table for name in line.split("|")[1].replace("`", " ").replace(",", " ").split()}
     numeric = {f.name for f in SamplingParams.__dataclass_fields__.values() if "bool" not in str(f.type)}
     assert numeric <= documented, numeric - documented

@@ -12,7 +12,8 @@ from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
                                        TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.responses import STOP, Register, ResponseThread, Stream, merge_into, text_arrays
+from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
+                                         vllm_logprobs)
 
 
 def text(value) -> np.ndarray:
@@ -75,11 +76,11 @@ def test_trtllm_scalar_tensors():
     assert p.stop == ["</s>", "\u00e9t\u00e9"]
 
 
-def test_return_flags_select_outputs_and_logprobs_default_to_sampled_token():
+def test_return_flags_select_outputs_and_logprobs_stay_off_without_the_parameter():
     flags = {f"return_{name}": np.array([True]) for name in OPTIONAL_OUTPUTS}
     req = parse(text_input=text("Hi"), **flags)
     assert req.outputs == set(OPTIONAL_OUTPUTS)
-    assert req.sampling_params.logprobs == 0
+    assert req.sampling_params.logprobs is None  # vllm_backend: the logprobs output is then null
     req = parse(text_input=text("Hi"), sampling_parameters=text('{"logprobs": 3}'), **flags)
     assert req.sampling_params.logprobs == 3
 
@@ -169,7 +170,7 @@ def test_contract_tables_match_design():
 def outputs_of(request_id, pieces, reason="length"):
     """RequestOutputs of one request, one token per step: pieces = [(token_id, text_delta), ...]."""
     return [RequestOutput(request_id, [t], d, i == len(pieces) - 1, reason if i == len(pieces) - 1 else None, 3,
-                          i + 1, -0.5 * (i + 1), [{t: -0.5}]) for i, (t, d) in enumerate(pieces)]
+                          i + 1, -0.5 * (i + 1), [{t: -0.5}], new_logprob_ranks=[1]) for i, (t, d) in enumerate(pieces)]
 
 
 def test_merge_into_joins_a_requests_steps():
@@ -180,7 +181,7 @@ def test_merge_into_joins_a_requests_steps():
     merged = list(pending.values())
     assert [m.request_id for m in merged] == ["a", "b"]
     assert merged[0].new_token_ids == [5, 6, 7] and merged[0].text_delta == "Hello"
-    assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}]
+    assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}] and merged[0].new_logprob_ranks == [1, 1, 1]
     assert merged[0].finished and merged[0].num_output_tokens == 3 and merged[0].cumulative_logprob == -1.5
     assert merged[1] is b[0]
 
@@ -189,15 +190,36 @@ def test_text_arrays_streaming_and_not():
     pieces = [(5, "He"), (6, ""), (7, "llo")]
     flags = {"return_num_output_tokens": np.array([True]), "return_finish_reason": np.array([True])}
     streaming = Stream(None, parse(text_input=text("Hi "), stream=np.array([True]), **flags))
-    sent = [text_arrays(streaming, o) for o in outputs_of("a", pieces)]
+    sent = [text_arrays(streaming, o, str) for o in outputs_of("a", pieces)]
     assert [a["text_output"][0] for a in sent] == [b"He", b"", b"llo"]  # token-level flag: every token sent
-    assert [a["finish_reason"][0] for a in sent] == [b"", b"", b"length"]
+    assert [a["finish_reason"][0] for a in sent] == [b"None", b"None", b"length"]  # as vllm_backend
     whole = Stream(None, parse(text_input=text("Hi "), **flags))
-    sent = [text_arrays(whole, o) for o in outputs_of("a", pieces)]
+    sent = []
+    for output in outputs_of("a", pieces):
+        sent.append(text_arrays(whole, output, str))
+        whole.token_ids += output.new_token_ids  # as the response thread does after formatting
     assert sent[:2] == [None, None] and sent[2]["text_output"][0] == b"Hi Hello"  # prompt prepended
     assert sent[2]["num_output_tokens"].tolist() == [3]
     quiet = Stream(None, parse(text_input=text("Hi "), stream=np.array([True])))
-    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0]) is None  # held-back text: nothing sent
+    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0], str) is None  # held back: nothing sent
+
+
+def test_logprobs_in_vllm_backends_format():
+    """Per token {token_id: {"logprob", "rank", "decoded_token"}}: the sampled token first (its own rank, or its
+    place among the top ones), then the top n by rank; null without the logprobs parameter."""
+    generated = Generated([7, 5], [{7: -2.0, 3: -0.1, 4: -0.5}, {5: -0.2, 9: -1.0}], [6, 1])
+    assert vllm_logprobs(generated, 2, lambda t: f"<{t}>") == [
+        {"7": {"logprob": -2.0, "rank": 6, "decoded_token": "<7>"},
+         "3": {"logprob": -0.1, "rank": 1, "decoded_token": "<3>"},
+         "4": {"logprob": -0.5, "rank": 2, "decoded_token": "<4>"}},
+        {"5": {"logprob": -0.2, "rank": 1, "decoded_token": "<5>"},
+         "9": {"logprob": -1.0, "rank": 2, "decoded_token": "<9>"}}]
+    flags = {"return_logprobs": np.array([True]), "stream": np.array([True])}
+    asked = Stream(None, parse(text_input=text("Hi"), sampling_parameters=text('{"logprobs": 0}'), **flags))
+    sent = text_arrays(asked, outputs_of("a", [(5, "x")])[0], str)
+    assert json.loads(sent["logprobs"][0]) == [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "5"}}]
+    not_asked = Stream(None, parse(text_input=text("Hi"), **flags))
+    assert text_arrays(not_asked, outputs_of("a", [(5, "x")])[0], str)["logprobs"].tolist() == [b"null"]
 
 
 # ---- the response thread's pacing (driven round by round, with a fake clock and fake Triton objects) -------
@@ -243,7 +265,8 @@ def response_thread(clock, send_budget, metrics=None):
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None),
-                          metrics, text_arrays, "text_input", send_budget=send_budget, clock=clock)
+                          metrics, lambda stream, output: text_arrays(stream, output, str), "text_input",
+                          send_budget=send_budget, clock=clock)
 
 
 def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num_steps=8):

@@ -35,6 +35,7 @@ class RequestOutput:
     cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
 
 
 @dataclass
@@ -215,7 +216,8 @@ class LLMEngine:
             seq = request.seq
             if request.watched:  # a row not looked at every step has no cumulative logprob (None in its output)
                 seq.cumulative_logprob += logprobs[row]
-            new_logprobs = self._new_logprobs(request, token_id, sampled, row) if request.wants_logprobs else []
+            new_logprobs, new_ranks = self._new_logprobs(request, token_id, sampled, row) \
+                if request.wants_logprobs else ([], [])
             detokenizer = request.detokenizer
             delta = detokenizer.add_token(token_id) if request.needs_text else ""
             reason = None
@@ -231,13 +233,16 @@ class LLMEngine:
             if request.stream:
                 outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
                                              seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
-                                             seq.cumulative_logprob, new_logprobs, seq.num_cached_tokens))
+                                             seq.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
+                                             new_ranks))
 
     @staticmethod
-    def _new_logprobs(request: _Request, token_id: int, sampled, row: int) -> list[dict[int, float]]:
+    def _new_logprobs(request: _Request, token_id: int, sampled, row: int) -> tuple[list[dict], list[int]]:
         new_logprobs = [{**(sampled.top_logprobs[row] or {}), token_id: sampled.sampled_logprobs[row]}]
+        new_ranks = [sampled.sampled_ranks[row]]
         request.seq.logprobs.extend(new_logprobs)
-        return new_logprobs
+        request.seq.logprob_ranks.extend(new_ranks)
+        return new_logprobs, new_ranks
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -267,7 +272,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.output_token_ids, detokenizer.text, True, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens,
                              seq.cumulative_logprob if request.watched else None, list(seq.logprobs),
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, list(seq.logprob_ranks))
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

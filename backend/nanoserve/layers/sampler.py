@@ -34,6 +34,9 @@ class SamplerOutput:
     token_array: np.ndarray = field(compare=False)  # the same ids, int64 [N], for checks over the batch
     sampled_logprobs: list[float]  # log-softmax of the penalized logits at the sampled token
     top_logprobs: list[dict[int, float] | None]  # the n most likely tokens plus the sampled one, when asked
+    # when logprobs are asked: the sampled token's rank in the vocabulary (1 + tokens with a higher logprob;
+    # vLLM counts ties as higher too), else None
+    sampled_ranks: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -186,7 +189,7 @@ class Sampler:
         token_list = token_array.tolist()
         logprob_list = sampled_logprobs.tolist()
         top = _top_logprobs(logits, log_norm, token_list, logprob_list, meta)
-        return SamplerOutput(token_list, token_array, logprob_list, top)
+        return SamplerOutput(token_list, token_array, logprob_list, top, _sampled_ranks(logits, token_ids, meta))
 
     def _sample(self, logits: torch.Tensor, shifted: torch.Tensor, weights: torch.Tensor,
                 meta: SamplingMetadata) -> torch.Tensor:
@@ -317,6 +320,18 @@ def _top_logprobs(logits, log_norm, token_ids, sampled_logprobs, meta) -> list[d
         entry[token_ids[row]] = sampled_logprobs[row]
         top[row] = entry
     return top
+
+
+def _sampled_ranks(logits: torch.Tensor, token_ids: torch.Tensor, meta) -> list[int | None]:
+    """For the rows asking for logprobs: how many tokens have a logit at least the sampled token's (vLLM's rank)."""
+    ranks: list[int | None] = [None] * meta.num_rows
+    if not meta.logprobs:
+        return ranks
+    rows = torch.tensor([row for row, _ in meta.logprobs], device=logits.device)
+    chosen = logits[rows].gather(1, token_ids[rows].unsqueeze(1))
+    for row, rank in zip(rows.tolist(), (logits[rows] >= chosen).sum(dim=-1).tolist()):
+        ranks[row] = rank
+    return ranks
 
 
 def _build_penalties(seqs, reps, presences, frequencies, device) -> Penalties:

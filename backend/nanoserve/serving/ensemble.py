@@ -32,7 +32,8 @@ from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, ma
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.model_json import max_model_len_bound, tokenizer_dir
 from nanoserve.serving.request import json_object, required, single, utf8
-from nanoserve.serving.responses import Stream, optional_arrays, string_array
+from nanoserve.serving.responses import (Generated, Stream, accumulate, finish_reason_text, optional_arrays,
+                                         string_array, token_decoder)
 
 CONTEXT_IDS = 16
 
@@ -41,7 +42,8 @@ CONTEXT_IDS = 16
 def token_formatter(tokenizer):
     """The token model's formatter for the response thread, knowing the engine tokenizer's special ids."""
     special_ids = special_token_ids(tokenizer)
-    return lambda stream, output: token_arrays(stream, output, special_ids)
+    token_text = token_decoder(tokenizer)
+    return lambda stream, output: token_arrays(stream, output, special_ids, token_text)
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -82,9 +84,9 @@ class DecodeContext:
             del self.tail[:-(2 * self.size + 1)]
 
 
-def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -> dict | None:
+def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset(), token_text=str) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
-    ("" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
+    ("None" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
     request = stream.request
     if stream.formatter_state is None:
         stream.formatter_state = DecodeContext.of(request.sampling_params, special_ids)
@@ -92,21 +94,25 @@ def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -
     if request.stream:
         if not (output.new_token_ids or output.finished):
             return None
-        new_ids, logprobs, num_output = output.new_token_ids, output.new_logprobs, len(output.new_token_ids)
+        generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         window = context.window()  # output only, as the engine decodes it
-        context.add(new_ids)
+        context.add(generated.token_ids)
     else:
-        stream.logprobs += output.new_logprobs
-        if not output.finished:
+        if not accumulate(stream, output):
             return None
-        new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
-            output.num_output_tokens
+        generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
         window = []
-    return {**optional_arrays(request, output, logprobs, num_output),
-            "output_ids": np.array(new_ids, dtype=np.int32),
+    return {**optional_arrays(request, output, generated, token_text),
+            "output_ids": np.array(generated.token_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),
-            "finish_reason": string_array(output.finish_reason or ""),
+            "finish_reason": string_array(finish_reason_text(output)),
             "detokenize_params": context.params}
+
+
+def is_final(finish_reason: bytes | str) -> bool:
+    """Whether a token model's finish_reason value ends the request ("None" before the last response)."""
+    value = finish_reason.decode() if isinstance(finish_reason, bytes) else finish_reason
+    return value not in ("", "None")
 
 
 def context_size(params) -> int:
@@ -141,7 +147,7 @@ def engine_max_prompt_bytes(args: dict, tokenizer) -> int | None:
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------
-FINISH_REASONS = ("", "stop", "length", "abort")
+FINISH_REASONS = ("None", "", "stop", "length", "abort")  # "None" (or "") before the last response
 DETOKENIZE_KEYS = ("skip_special_tokens", "stop", "include_stop_str_in_output")
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 
+from nanoserve.models.gguf import as_checkpoint_dir
+
 PATH_ARGS = ("model", "tokenizer")
 
 
@@ -30,9 +32,15 @@ def load_engine_args(model_dir: str, version: str = "1") -> dict:
 
 
 def tokenizer_dir(model_dir: str, version: str = "1") -> str:
-    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it)."""
+    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it). A path
+    that does not exist is an error naming model.json's field: transformers would take it for a Hub repo id."""
     args = load_engine_args(model_dir, version)
-    return args.get("tokenizer") or args["model"]
+    name = "tokenizer" if args.get("tokenizer") else "model"
+    path = args[name]
+    if not os.path.exists(path):
+        model_json = os.path.join(model_dir, str(version), "model.json")
+        raise ValueError(f"{name}: {path} does not exist (set \"{name}\" in {model_json} to a checkpoint directory)")
+    return as_checkpoint_dir(path)
 
 
 def max_model_len_bound(model_dir: str, version: str = "1") -> int | None:

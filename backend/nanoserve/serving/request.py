@@ -5,7 +5,6 @@ ValueError whose message starts with the offending field, e.g. "top_p: must be i
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Callable
@@ -90,9 +89,8 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
         values, flag_values = json_object("sampling_parameters", single("sampling_parameters", tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
     params = _sampling_params({**values, **_scalar_tensors(get)})
+    # return_logprobs without a `logprobs` sampling parameter returns null, as vllm_backend does
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
-    if "logprobs" in outputs and params.logprobs is None:
-        params = dataclasses.replace(params, logprobs=0)  # the sampled token's own logprob
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
 
 

@@ -5,12 +5,14 @@ custom-metric updates). pb_utils is passed in: this module imports nothing from 
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +38,7 @@ class Stream:
     text: str = ""  # non-streaming: accumulated output
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
+    logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
 
 
@@ -322,42 +325,92 @@ def merge_into(pending: dict, outputs) -> None:
             output.new_token_ids = earlier.new_token_ids + output.new_token_ids
             output.text_delta = earlier.text_delta + output.text_delta
             output.new_logprobs = earlier.new_logprobs + output.new_logprobs
+            output.new_logprob_ranks = earlier.new_logprob_ranks + output.new_logprob_ranks
         pending[output.request_id] = output
 
 
 # ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
-def text_arrays(stream: Stream, output) -> dict | None:
+class Generated(NamedTuple):
+    """The tokens one response reports: their ids, and with logprobs each one's {token_id: logprob} (the sampled
+    token and the top ones) and the sampled token's rank."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    ranks: list[int]
+
+
+def text_formatter(tokenizer):
+    """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer."""
+    token_text = token_decoder(tokenizer)
+    return lambda stream, output: text_arrays(stream, output, token_text)
+
+
+def token_decoder(tokenizer):
+    """token id -> its text alone, as vLLM's decoded_token (cached: a vocabulary's worth at most)."""
+    @functools.lru_cache(maxsize=None)
+    def token_text(token_id: int) -> str:
+        return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+    return token_text
+
+
+def text_arrays(stream: Stream, output, token_text) -> dict | None:
     """Text model: streaming sends deltas (never the prompt); otherwise one response when finished."""
     request = stream.request
     if request.stream:
         token_level = output.new_token_ids and request.outputs & TOKEN_LEVEL_OUTPUTS
         if not (output.text_delta or output.finished or token_level):
             return None  # text held back (an incomplete character or a possible stop string)
+        generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         return {"text_output": string_array(output.text_delta),
-                **optional_arrays(request, output, output.new_logprobs, len(output.new_token_ids))}
+                **optional_arrays(request, output, generated, token_text)}
     stream.text += output.text_delta
-    stream.logprobs += output.new_logprobs
-    if not output.finished:
+    if not accumulate(stream, output):
         return None
     text = stream.text if request.exclude_input else request.prompt + stream.text
-    return {"text_output": string_array(text),
-            **optional_arrays(request, output, stream.logprobs, output.num_output_tokens)}
+    generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
+    return {"text_output": string_array(text), **optional_arrays(request, output, generated, token_text)}
 
 
-def optional_arrays(request: ParsedRequest, output, logprobs: list, num_output_tokens: int) -> dict:
+def accumulate(stream: Stream, output) -> bool:
+    """A non-streamed request: keep the output's logprobs; True when it is the last one."""
+    stream.logprobs += output.new_logprobs
+    stream.logprob_ranks += output.new_logprob_ranks
+    return output.finished
+
+
+def optional_arrays(request: ParsedRequest, output, generated: Generated, token_text) -> dict:
+    """The outputs the request asked for with return_* flags, in vllm_backend's formats."""
     arrays = {}
     if "finish_reason" in request.outputs:
-        arrays["finish_reason"] = string_array(output.finish_reason or "")
+        arrays["finish_reason"] = string_array(finish_reason_text(output))
     if "cumulative_logprob" in request.outputs:
         arrays["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
     if "logprobs" in request.outputs:
-        per_token = [{str(token): logprob for token, logprob in entry.items()} for entry in logprobs]
+        top_n = request.sampling_params.logprobs
+        per_token = None if top_n is None else vllm_logprobs(generated, top_n, token_text)
         arrays["logprobs"] = string_array(json.dumps(per_token))
     if "num_input_tokens" in request.outputs:
         arrays["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
     if "num_output_tokens" in request.outputs:
-        arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+        arrays["num_output_tokens"] = np.array([len(generated.token_ids)], dtype=np.uint32)
     return arrays
+
+
+def finish_reason_text(output) -> str:
+    """"stop", "length" or "abort" on the last response; "None" before it, as vllm_backend sends."""
+    return str(output.finish_reason) if output.finished else "None"
+
+
+def vllm_logprobs(generated: Generated, top_n: int, token_text) -> list[dict]:
+    """vllm_backend's `logprobs`: per token {token_id: {"logprob", "rank", "decoded_token"}}, the sampled token
+    first, then the top_n most likely ones by rank (the sampled one among them keeps its place first)."""
+    per_token = []
+    for token_id, entry, rank in zip(*generated):
+        top = sorted(entry, key=entry.__getitem__, reverse=True)[:top_n]
+        ranks = {t: i for i, t in enumerate(top, 1)}
+        ranks.setdefault(token_id, rank)
+        per_token.append({str(t): {"logprob": entry[t], "rank": ranks[t], "decoded_token": token_text(t)}
+                          for t in [token_id, *top]})
+    return per_token
 
 
 def string_array(text: str) -> np.ndarray:

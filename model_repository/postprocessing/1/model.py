@@ -2,7 +2,7 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import DetokenizeRequest, decode_delta, engine_dir, engine_tokenizer
+from nanoserve.serving.ensemble import DetokenizeRequest, decode_delta, engine_dir, engine_tokenizer, is_final
 from nanoserve.serving.model_json import max_model_len_bound
 
 
@@ -19,7 +19,7 @@ class TritonPythonModel:
             inputs = DetokenizeRequest.parse(lambda name: _as_numpy(request, name), self.max_ids)
         except ValueError as e:  # called directly with junk: name the input, never a raw Python exception
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
-        text = decode_delta(self.tokenizer, inputs.context_ids, inputs.new_ids, final=bool(inputs.finish_reason),
+        text = decode_delta(self.tokenizer, inputs.context_ids, inputs.new_ids, final=is_final(inputs.finish_reason),
                             **inputs.params)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
