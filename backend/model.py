@@ -34,6 +34,7 @@ from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, read_model_json,
                                           reports_vllm_metrics)
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_formatter
+from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
@@ -127,8 +128,12 @@ class TritonPythonModel:
         self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
         formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
+        server_args = ServerArgs.of_parent()
+        self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field, send_budget=send_budget, every_step=every_step).start()
+                                        prompt_field, send_budget=send_budget, every_step=every_step,
+                                        on_engine_failure=self._unload_failed_model,
+                                        shutdown_watch=self.shutdown_watch).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):
@@ -138,10 +143,15 @@ class TritonPythonModel:
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
+        failure = self.engine_thread.failure
+        if failure is not None:
+            self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
+            return
         try:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
-                                            tokens=self.mode == "tokens")
+                                            tokens=self.mode == "tokens",
+                                            max_model_len=self.engine.config.max_model_len)
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
             return
@@ -155,7 +165,20 @@ class TritonPythonModel:
         self.events.put(Register(request_id, stream))  # before the engine can answer
         self.engine_thread.add(request_id, parsed.prompt, parsed.sampling_params)
 
+    def _unload_failed_model(self, failure: str) -> None:
+        """The health check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK, always on): a failed engine unloads its
+        model, which Triton then reports not ready. Triton 2.51 lets a model unload itself only when it runs with
+        --model-control-mode=explicit; otherwise the model stays "ready" and every request gets UNAVAILABLE."""
+        logger.error("nanoserve: the engine of model %r has failed (%s); unloading the model", self.name, failure)
+        try:
+            pb_utils.unload_model(self.name)
+        except pb_utils.TritonModelException as e:
+            logger.error("nanoserve: model %r could not unload itself (%s); it answers every request with "
+                         "UNAVAILABLE until it is reloaded", self.name, e)
+
     def finalize(self):
+        if self.shutdown_watch is not None:
+            self.shutdown_watch.stop()
         self.engine_thread.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.request import (OPTIONAL_OUTPUTS, SCALAR_INPUTS, TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS,
-                                       parse_request)
+from nanoserve.sampling_params import MAX_STOP_STRINGS
+from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
+                                       TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
                                          vllm_logprobs)
@@ -91,6 +92,17 @@ def test_token_prompt():
     assert error_of(tokens=True).startswith("input_ids: missing")
 
 
+def test_input_ids_beyond_max_model_len_are_rejected_before_they_are_read():
+    ids = np.zeros(10_000_000, np.int32)  # 40 MB: tolist() would make 10 M Python ints
+    with pytest.raises(ValueError, match=r"^input_ids: 10000000 tokens leave no room .* max_model_len \(2048\)"):
+        parse_request(getter(input_ids=ids), tokens=True, max_model_len=2048)
+    assert parse_request(getter(input_ids=ids[:2047]), tokens=True, max_model_len=2048).prompt == [0] * 2047
+
+
+def test_scalar_tensors_take_the_whole_seed_range():
+    assert parse(text_input=text("Hi"), seed=np.array([2 ** 64 - 1], np.uint64)).sampling_params.seed == 2 ** 64 - 1
+
+
 @pytest.mark.parametrize("tensors, parameters, field", [
     ({}, "", "text_input"),
     ({"text_input": text("")}, "", "text_input"),
@@ -120,6 +132,19 @@ def test_token_prompt():
     ({}, "[" * 100_000, "parameters"),
     ({"sampling_parameters": text(json.dumps({"stop_token_ids": "[" * 100_000}))}, "", "stop_token_ids"),
     ({}, json.dumps({"max_tokens": 3, "stop_token_ids": "[" * 100_000}), "stop_token_ids"),
+    # the TRT-LLM scalar tensors have the same ranges as sampling_parameters
+    ({"seed": np.array([-1], np.int64)}, "", "seed"),
+    ({"top_k": np.array([-7], np.int32)}, "", "top_k"),
+    ({"temperature": np.array([np.inf], np.float32)}, "", "temperature"),
+    ({"temperature": np.array([np.nan], np.float32)}, "", "temperature"),
+    ({"frequency_penalty": np.array([2.5], np.float32)}, "", "frequency_penalty"),
+    # sizes are bounded before anything is decoded or parsed
+    ({"sampling_parameters": text(" " * (MAX_JSON_BYTES + 1))}, "", "sampling_parameters"),
+    ({}, " " * (MAX_JSON_BYTES + 1), "parameters"),
+    ({"stop_words": np.array([b"x"] * (MAX_STOP_STRINGS + 1), dtype=object)}, "", "stop_words"),
+    ({"stop_words": np.array([b"x" * (MAX_STOP_WORD_BYTES + 1)], dtype=object)}, "", "stop_words"),
+    ({"sampling_parameters": text(json.dumps({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}))}, "", "stop"),
+    ({"sampling_parameters": text(json.dumps({"stop_token_ids": [1] * 1000}))}, "", "stop_token_ids"),
 ])
 def test_bad_input_names_the_field(tensors, parameters, field):
     if field != "text_input":
@@ -240,7 +265,7 @@ def response_thread(clock, send_budget, metrics=None, every_step=False):
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
                                          record_token_gap=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
-    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
+    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
                           lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
                           send_budget=send_budget, every_step=every_step, clock=clock)
 
@@ -315,6 +340,47 @@ def test_non_streaming_sends_one_response_whatever_the_pacing():
     assert sender.sent == [("Hi Hello", True)] and not thread.streams
 
 
+class ErrorPb(FakePb):
+    class TritonError:
+        INVALID_ARG, INTERNAL, CANCELLED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "CANCELLED", "UNAVAILABLE"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    @staticmethod
+    def InferenceResponse(output_tensors=(), error=None):
+        return {"error": error, **{name: array for name, array in output_tensors}}
+
+
+class RecordingSender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+
+def test_a_failed_engine_ends_every_request_with_unavailable_and_is_reported_once():
+    thread = response_thread(FakeClock(), send_budget=1.0)
+    thread.pb, reported = ErrorPb, []
+    thread.on_engine_failure = reported.append
+    senders = [RecordingSender() for _ in range(3)]
+    for i, sender in enumerate(senders[:2]):
+        thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"))))])
+    assert thread.streams.keys() == {"0", "1"} and reported == []
+    thread.engine_thread.failure = "the engine thread died (RuntimeError: boom)"
+    thread.handle_events([])
+    thread.handle_events([Register("2", Stream(senders[2], parse(text_input=text("Hi"))))])  # raced the failure
+    assert thread.streams == {} and reported == ["the engine thread died (RuntimeError: boom)"]
+    for sender in senders:
+        [(response, flags)] = sender.sent
+        assert flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response["error"].code == "UNAVAILABLE"
+        assert "the engine thread died" in response["error"].message
+
+
 def test_send_budget_must_be_a_share():
     for budget in (0, -1, 1.5):
         with pytest.raises(ValueError, match="send_budget"):
@@ -327,7 +393,7 @@ def test_cancellation_checks_take_turns_across_many_streams():
     clock = FakeClock()
     aborted = []
     thread = response_thread(clock, send_budget=0.1)
-    thread.engine_thread = SimpleNamespace(abort=aborted.append)
+    thread.engine_thread = SimpleNamespace(abort=aborted.append, failure=None)
     senders = [FakeSender(clock, 0.0) for _ in range(2 * CANCEL_CHECKS_PER_ROUND + 3)]  # 3 rounds for everyone
     for i, sender in enumerate(senders):
         thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])

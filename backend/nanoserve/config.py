@@ -45,6 +45,7 @@ class EngineConfig:
                                                "(default: triton on cuda, torch on cpu)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
+    max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
         for name in ("max_model_len", "num_kvcache_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))

@@ -18,7 +18,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -96,6 +96,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         IncrementalDetokenizer(self.tokenizer, [])  # builds the tokenizer's byte table now, not at the first request
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, config.max_model_len)  # longer texts cannot fit
         self.model_runner = ModelRunner(config)  # fixes config.num_kvcache_blocks
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -120,6 +121,7 @@ class LLMEngine:
         RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
@@ -133,7 +135,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return encode_prompt_text(self.tokenizer, prompt)
+            return encode_prompt_text(self.tokenizer, prompt, self.max_prompt_bytes)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("prompt: expected a string or a list of token ids")
         self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks
@@ -161,20 +163,37 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self.pending_outputs = self.pending_outputs, []
+        """The abort notices queued since the last step, then this step's outputs. The notices are taken only
+        once the step has succeeded: a step that raises loses none of them."""
+        outputs: list[RequestOutput] = []
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        if not plan:
+        if plan:
+            seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
+            sampled = self.model_runner.execute(plan)
+            self.scheduler.postprocess(plan, sampled.token_ids)  # appends each sampled token to its sequence
+            self._check_stops(plan, seqs, sampled, outputs)
+            self.num_generation_tokens += len(sampled.token_ids)
+            prefill = plan.num_prefill_tokens
+            self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
+        else:
             self.last_step = StepStats()
-            return outputs
-        seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
-        sampled = self.model_runner.execute(plan)
-        self.scheduler.postprocess(plan, sampled.token_ids)  # appends each sampled token to its sequence
-        self._check_stops(plan, seqs, sampled, outputs)
-        self.num_generation_tokens += len(sampled.token_ids)
-        prefill = plan.num_prefill_tokens
-        self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
+        outputs, self.pending_outputs = self.pending_outputs + outputs, []
         return outputs
+
+    def fail_and_recover(self, request_ids) -> list[str]:
+        """After step() raised: drop the requests in request_ids (the suspects: those admitted or changed since
+        the last step that succeeded; their blocks are freed and no output comes for them) and preempt every
+        other running request by recompute (blocks freed, back to waiting, its tokens kept), so step() can be
+        retried without the suspects. Returns the ids dropped (the caller fails them).
+        The retry repeats the failed step for the others when it failed before its results were applied
+        (scheduling, the forward pass, sampling): seeded and greedy requests then get the same tokens."""
+        dropped = [request_id for request_id in request_ids if self.requests.pop(request_id, None) is not None]
+        for request_id in dropped:
+            self.scheduler.abort(request_id)
+        self.scheduler.preempt_all()
+        self._stop_checks = None
+        return dropped
 
     def _check_stops(self, plan, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
         """After the scheduler appended the sampled tokens: look only at the rows that may stop or are watched

@@ -95,6 +95,20 @@ def tokenizer_dir(model_dir: str, version: str = "1") -> str:
     return as_checkpoint_dir(path)
 
 
+def max_model_len_bound(model_dir: str, version: str = "1") -> int | None:
+    """An upper bound of the max_model_len the engine model at model_dir runs with, without loading it: model.json's
+    max_model_len, else the checkpoint's max_position_embeddings (the engine takes at most that); None if unknown."""
+    args = load_engine_args(model_dir, version)
+    if isinstance(args.get("max_model_len"), int):
+        return args["max_model_len"]
+    try:
+        with open(os.path.join(args["model"], "config.json")) as f:
+            limit = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return limit if isinstance(limit, int) else None
+
+
 def instance_device(engine_args: dict, instance_kind: str, device_id: str | int) -> dict:
     """A KIND_GPU instance runs on the GPU Triton gave it (instance_group [{ kind: KIND_GPU, gpus: [0, 1] }] makes
     one per GPU); model.json's "device" wins when it names one. KIND_MODEL leaves the choice to the engine."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
-from nanoserve.serving.request import ParsedRequest
+from nanoserve.serving.request import ParsedRequest, name_prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class ResponseThread:
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 every_step: bool = False, clock=time.monotonic):
+                 every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -92,6 +92,9 @@ class ResponseThread:
         self.send_budget = send_budget
         self.every_step = every_step
         self.clock = clock
+        self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
+        self._engine_failed = False
+        self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -127,6 +130,8 @@ class ResponseThread:
         if steps:
             self._guarded(self._handle_steps, steps)
         self._guarded(self._flush, stopping)
+        self._guarded(self._check_engine)
+        self._guarded(self._check_shutdown)
         self._guarded(self._check_cancelled)
         self._guarded(self._publish_metrics, stopping)
         return stopping
@@ -170,7 +175,7 @@ class ResponseThread:
         for step in steps:
             self._record_timing(step)
             for request_id, message in step.rejected:
-                self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
+                self._fail(request_id, name_prompt_input(message, self.prompt_field), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
@@ -212,6 +217,30 @@ class ResponseThread:
         if self.metrics.unpublished and (force or now >= self._next_publish):
             self.metrics.publish(None if force else SAMPLES_PER_ROUND)
             self._next_publish = now if self.metrics.unpublished else now + PUBLISH_INTERVAL
+
+    def _check_engine(self) -> None:
+        """Once the engine has failed, no request in flight can end otherwise: end each with UNAVAILABLE (the
+        checks run every cancel_check_interval while requests are in flight)."""
+        failure = self.engine_thread.failure
+        if failure is None:
+            return
+        if not self._engine_failed:
+            self._engine_failed = True
+            if self.on_engine_failure is not None:
+                self.on_engine_failure(failure)
+        self._end_all(f"the model is unavailable: {failure}")
+
+    def _check_shutdown(self) -> None:
+        """tritonserver is shutting down and its exit timeout is about to cut the requests in flight without a
+        word (serving/shutdown.py): end them with an error their clients see."""
+        deadline = None if self.shutdown_watch is None else self.shutdown_watch.deadline
+        if deadline is not None and self.clock() >= deadline:
+            self._end_all("the server is shutting down: its exit timeout ends this request")
+
+    def _end_all(self, message: str) -> None:
+        for request_id in list(self.streams):
+            self.engine_thread.abort(request_id)  # frees its blocks (a no-op for a failed engine)
+            self._fail(request_id, message, self.pb.TritonError.UNAVAILABLE)
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -300,9 +329,6 @@ class ResponseThread:
     def _send_error(self, sender, message: str, code) -> None:
         error = self.pb.TritonError(message, code)
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
-    def _name_field(self, message: str) -> str:
-        return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
 
 
 def merge_into(pending: dict, outputs) -> None:

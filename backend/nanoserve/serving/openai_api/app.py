@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nanoserve.serving.openai_api.chat import render_chat
-from nanoserve.serving.openai_api.errors import APIError, bad_request
+from nanoserve.serving.openai_api.errors import APIError, bad_request, from_field_error
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -112,6 +112,9 @@ async def respond(request: Request, fmt: Format):
         first = await unless_disconnected(request, anext(chunks))  # an error before any text is an HTTP error
     except ClientGone:
         return JSONResponse({}, status_code=499)  # nobody reads it
+    except APIError as error:  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
+        names = body.sampling_values()[1]
+        raise from_field_error(error.message, names) if error.status == 400 and error.param in names else error
     return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
 
 

@@ -83,12 +83,17 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
             responses.cancel()
 
 
+# the model unloading or gone, its engine failed (backend/model.py), the server shutting down (serving/shutdown.py)
+UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
+                       "the server is shutting down")
+
+
 def triton_error(message: str) -> APIError:
     """A Triton error as an HTTP error. gRPC streams carry no status code: nanoserve's bad-input errors
     (INVALID_ARG) start with the field they are about, its own failures with "internal error"."""
     if message.startswith("internal error") or "Traceback" in message:
         return APIError(500, message)
-    if "is being unloaded" in message or "has no available versions" in message:
+    if any(marker in message for marker in UNAVAILABLE_MARKERS):
         return APIError(503, message)
     if "unknown model" in message or "is not found" in message:
         return APIError(404, message, "model", "model_not_found")
