@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's main job: set up, build the default tiny model locally, serve it with tritonserver and
-# stream one completion to the terminal.
+# The README's main job: set up, fetch SmolLM2-135M-Instruct once, serve it with tritonserver and stream
+# its answer to a question.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh serve
