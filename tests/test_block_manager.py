@@ -4,15 +4,18 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from nanoserve.engine.input_batch import InputBatch
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
+from test_scheduler import check_mirror
 
 BS = 4
 
@@ -198,7 +201,7 @@ def test_cache_full_blocks_hashes_only_computed_full_blocks_incrementally():
     compute(bm, seq, seq.num_tokens - seq.num_computed_tokens)
     assert bm.num_cached_blocks == 2
     for token in range(BS):  # decode steps fill the third block
-        seq.append_token(1000 + token)
+        seq.token_ids.append(1000 + token)
         compute(bm, seq, 1)
     assert bm.num_cached_blocks == 3
     bm.check_invariants([seq])
@@ -232,6 +235,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  kvcache_block_size=block_size, enable_prefix_caching=prefix_caching)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.bm)
+        self.batch = InputBatch(max_num_seqs, 24, block_size)  # a runner's batch, kept from the diffs
         self.rng = random.Random(seed)
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
@@ -283,22 +287,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self):
         scheduler = self.scheduler
-        plan = scheduler.schedule()
-        assert plan.scheduled, "unfinished requests but nothing scheduled: no progress"
-        assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert len(plan.scheduled) <= scheduler.max_num_seqs and scheduler.num_running <= scheduler.max_num_seqs
-        scheduled_seqs = [s.seq for s in plan.scheduled]
-        assert len(set(map(id, scheduled_seqs))) == len(scheduled_seqs)
-        for entry in plan.scheduled:
-            seq = entry.seq
-            assert seq.status == SequenceStatus.RUNNING and seq in scheduler.running
-            assert entry.start_pos == seq.num_computed_tokens and entry.num_new_tokens > 0
-            assert entry.end_pos <= seq.num_tokens
-            assert len(seq.block_table) * self.bm.block_size >= entry.end_pos
-        for seq in plan.preempted:
-            assert seq.status == SequenceStatus.WAITING and not seq.block_table and seq not in scheduled_seqs
-        sampling = plan.sampling_seqs
-        scheduler.postprocess(plan, [self.rng.choice(VOCAB) for _ in sampling])  # appends the sampled tokens
+        out = scheduler.schedule()
+        assert out.num_batched_tokens > 0, "unfinished requests but nothing scheduled: no progress"
+        assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
+        assert out.num_rows == scheduler.num_running <= scheduler.max_num_seqs
+        for seq, start, count in zip(scheduler.running, out.num_computed_tokens, out.num_scheduled_tokens):
+            assert seq.status == SequenceStatus.RUNNING and start == seq.num_computed_tokens
+            assert start + count <= seq.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= start + count
+        for request_id in out.preempted_ids:
+            seq = next(s for s in scheduler.waiting if s.request_id == request_id)
+            assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        self.batch.update(out)
+        check_mirror(self.batch, scheduler)  # the diffs reproduce the running rows, tokens and block tables
+        self.batch.prepare(out)
+        scheduled_seqs = [seq for seq, count in zip(scheduler.running, out.num_scheduled_tokens) if count]
+        sampling = scheduler.update(out, np.array([self.rng.choice(VOCAB) for _ in range(out.num_sampled)]))
         self._record_prefixes(scheduled_seqs)
         for seq in sampling:
             if seq.num_output_tokens >= seq.max_tokens:
@@ -323,7 +327,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert {s.request_id for s in holders} == set(self.live)
         assert all(not s.block_table for s in scheduler.waiting)
         self.bm.check_invariants(holders)  # free xor used, ref counts, hashed prefix of each table
-        scheduler.check_rows()  # the decode fast path's block-table rows mirror the running sequences
         used = {b for s in scheduler.running for b in s.block_table}
         assert not used & set(self.bm.free_block_ids)
         for block_hash, block_id in self.bm.hash_to_block_id.items():

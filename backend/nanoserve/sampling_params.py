@@ -82,14 +82,6 @@ class SamplingParams:
             raise ValueError(f"{unknown[0]}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
         return cls(**{name: _parse(name, kinds[name], value) for name, value in params.items()})
 
-    @classmethod
-    def from_json(cls, text: str) -> "SamplingParams":
-        try:
-            params = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"sampling_parameters: invalid JSON ({e.msg} at char {e.pos})") from None
-        return cls.from_dict(params)
-
 
 def _parse(name: str, kind: str, value):
     if not isinstance(value, str) or kind == "list[str]":

@@ -3,6 +3,9 @@
 A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
 hashes mean equal prefixes. Freed blocks keep their hash and stay findable until they are reused for other
 content; free blocks are reused least-recently-freed first.
+
+Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks
+(parallel sampling would share a prompt's blocks between its samples the same way).
 """
 from __future__ import annotations
 
@@ -108,9 +111,11 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_block_ids)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self.num_blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free_block())
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> list[int]:
+        """Append the blocks num_blocks_needed asks for; returns their ids."""
+        new_ids = [self._take_free_block() for _ in range(self.num_blocks_needed(seq, num_new_tokens))]
+        seq.block_table += new_ids
+        return new_ids
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)

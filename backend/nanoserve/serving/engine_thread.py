@@ -95,8 +95,4 @@ class EngineThread:
                 result.failed.append((request_id, f"internal error: {e}"))
 
     def _abort_all(self, message: str) -> list[tuple[str, str]]:
-        request_ids = list(self.engine.requests)
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-        self.engine.pending_outputs.clear()
-        return [(request_id, message) for request_id in request_ids]
+        return [(request_id, message) for request_id in self.engine.abort_all()]

@@ -1,0 +1,236 @@
+"""The model runner's persistent batch: one row per running sequence, in the scheduler's order, kept up to date
+from each SchedulerOutput's diffs. A step's input arrays and sampling metadata are gathered from it with numpy,
+never rebuilt from Python objects.
+
+A row's fixed-width data (its token ids, its block table, its sampling parameters) sits in a slot that the
+sequence keeps while it runs; `slots[row]` maps rows onto slots, so when a row leaves, the rows after it move
+up without moving their tables."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata, step_seed
+from nanoserve.sampling_params import SamplingParams
+
+_NO_TOP_K = 1 << 30
+_MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
+# sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
+FEATURES = ("top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs")
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs as host arrays, over the B rows that compute tokens (T tokens in all)."""
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: KV cache slot of each token
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32: context length including this step's tokens
+    block_tables: np.ndarray  # [B, W] int32, padded with 0
+    logits_indices: np.ndarray  # [N] int64: the tokens whose hidden states are sampled, in row order
+    max_query_len: int
+    max_seq_len: int
+
+
+def _features(params: SamplingParams) -> list[str]:
+    used = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
+            "seed": params.seed is not None, "min_tokens": params.min_tokens > 0,
+            "logprobs": params.logprobs is not None,
+            "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                          or params.frequency_penalty != 0.0)}
+    return [name for name in FEATURES if used[name]]
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids=()):
+        self.block_size = block_size
+        self.eos_token_ids = sorted(eos_token_ids)  # min_tokens bans them
+        self.req_ids: list[str] = []  # per row
+        self.slots = np.zeros(0, dtype=np.int64)  # per row
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        # slots of the rows that sample in the step being run, in order; the next diff brings their tokens
+        self.sampling_slots = np.zeros(0, dtype=np.int64)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.temperature = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.full(max_num_seqs, _NO_TOP_K, dtype=np.int64)
+        self.top_p = np.full(max_num_seqs, math.inf, dtype=np.float32)
+        self.log_min_p = np.full(max_num_seqs, -math.inf, dtype=np.float32)
+        self.penalties = np.zeros((max_num_seqs, 3), dtype=np.float32)  # repetition, presence, frequency
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.num_rows_using = dict.fromkeys(FEATURES, 0)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    # ---- diffs ----
+    def update(self, out: SchedulerOutput) -> None:
+        slots = self.sampling_slots
+        assert len(slots) == len(out.new_token_ids), "sampled tokens do not match the rows that sampled"
+        self.token_ids[slots, self.num_tokens[slots]] = out.new_token_ids
+        self.num_tokens[slots] += 1
+        self.sampling_slots = slots[:0]
+        if out.finished_ids or out.preempted_ids:
+            self._remove(out.finished_ids + out.preempted_ids)
+        if out.new_seqs:
+            self.slots = np.concatenate([self.slots, [self._add(new) for new in out.new_seqs]]).astype(np.int64)
+        for row, block_ids in out.new_block_ids:
+            slot = self.slots[row]
+            start = self.num_blocks[slot]
+            self.block_tables[slot, start:start + len(block_ids)] = block_ids
+            self.num_blocks[slot] += len(block_ids)
+        assert len(self.req_ids) == out.num_rows, "the batch's rows do not match the scheduler's"
+
+    def _add(self, new: NewSequence) -> int:
+        slot = self._free_slots.pop()
+        self.req_ids.append(new.request_id)
+        num_tokens, num_blocks = len(new.token_ids), len(new.block_ids)
+        self.token_ids[slot, :num_tokens] = new.token_ids
+        self.num_tokens[slot], self.num_prompt_tokens[slot] = num_tokens, new.num_prompt_tokens
+        self.block_tables[slot, :num_blocks] = new.block_ids
+        self.num_blocks[slot] = num_blocks
+        params = self.params[slot] = new.sampling_params
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k if params.top_k > 0 else _NO_TOP_K
+        self.top_p[slot] = params.top_p if params.top_p < 1.0 else math.inf
+        self.log_min_p[slot] = math.log(params.min_p) if params.min_p > 0 else -math.inf
+        self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        self.min_tokens[slot] = params.min_tokens
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        for name in _features(params):
+            self.num_rows_using[name] += 1
+        return slot
+
+    def _remove(self, request_ids: list[str]) -> None:
+        rows = [self.req_ids.index(request_id) for request_id in request_ids]
+        keep = np.ones(len(self.req_ids), dtype=bool)
+        keep[rows] = False
+        for slot in self.slots[rows].tolist():
+            self.block_tables[slot, :self.num_blocks[slot]] = 0  # columns past a row's table are padding
+            for name in _features(self.params[slot]):
+                self.num_rows_using[name] -= 1
+            self.params[slot] = None
+            self._free_slots.append(slot)
+        self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
+        self.slots = self.slots[keep]
+
+    # ---- one step ----
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's inputs: row r computes positions num_computed_tokens[r] .. + num_scheduled_tokens[r]."""
+        rows = np.flatnonzero(out.num_scheduled_tokens)
+        counts, computed, slots = out.num_scheduled_tokens[rows], out.num_computed_tokens[rows], self.slots[rows]
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        token_rows = np.repeat(np.arange(len(rows)), counts)
+        positions = computed[token_rows] + np.arange(len(token_rows)) - query_start_loc[token_rows]
+        token_slots = slots[token_rows]
+        block_ids = self.block_tables[token_slots, positions // self.block_size].astype(np.int64)
+        seq_lens = (computed + counts).astype(np.int32)
+        max_seq_len = int(seq_lens.max(initial=0))
+        samples = out.samples[rows]
+        self.sampling_slots = slots[samples]
+        return StepInputs(self.token_ids[token_slots, positions].astype(np.int64), positions,
+                          block_ids * self.block_size + positions % self.block_size, query_start_loc, seq_lens,
+                          self.block_tables[slots, :-(-max_seq_len // self.block_size)],
+                          query_start_loc[1:][samples] - 1, int(counts.max(initial=0)), max_seq_len)
+
+    def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
+        """The sampling parameters of the step's sampling rows, in order."""
+        slots = self.sampling_slots
+        temperatures = self.temperature[slots]
+        greedy = temperatures < GREEDY_TEMPERATURE
+        meta = SamplingMetadata(num_rows=len(slots), all_greedy=bool(greedy.all()))
+        uses = self.num_rows_using
+        if not meta.all_greedy:
+            self._set_sampling(meta, slots, greedy, np.where(greedy, 1.0, temperatures), device)
+        if uses["penalties"]:
+            meta.penalties = self._penalties(slots, device)
+        if uses["min_tokens"]:
+            meta.banned = self._banned(slots, device)
+        if uses["logprobs"]:
+            counts = self.num_logprobs[slots]
+            meta.logprob_rows = np.flatnonzero(counts >= 0).tolist()
+            meta.max_logprobs = int(counts.max(initial=0))
+        return meta
+
+    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, temperatures, device) -> None:
+        if greedy.any():
+            meta.greedy = _tensor(greedy, device)
+        meta.temperatures = _column(temperatures, device)
+        uses = self.num_rows_using
+        if uses["top_k"]:
+            top_ks = self.top_k[slots]
+            sampled_ks = top_ks[~greedy]  # greedy rows ignore their filters
+            if (sampled_ks < _NO_TOP_K).any():
+                meta.top_ks = _column(top_ks, device)
+                if (sampled_ks < _NO_TOP_K).all():
+                    meta.max_top_k = int(sampled_ks.max())
+        if uses["top_p"]:
+            top_ps = self.top_p[slots]
+            if (top_ps < math.inf).any():
+                meta.top_ps = _column(top_ps, device)
+        if uses["min_p"]:
+            log_min_ps = self.log_min_p[slots]
+            if (log_min_ps > -math.inf).any():
+                meta.log_min_ps = _column(log_min_ps, device)
+        if uses["seed"]:
+            meta.seeded = [(row, step_seed(self.params[slot].seed, self._num_output(slot)))
+                           for row, slot in enumerate(slots.tolist())
+                           if self.params[slot].seed is not None and not greedy[row]]
+
+    def _num_output(self, slot: int) -> int:
+        return int(self.num_tokens[slot] - self.num_prompt_tokens[slot])
+
+    def _penalties(self, slots: np.ndarray, device) -> Penalties | None:
+        values = self.penalties[slots]
+        rows = np.flatnonzero((values != (1.0, 0.0, 0.0)).any(axis=1))
+        if not len(rows):
+            return None
+        values, slots = values[rows], slots[rows]
+        num_tokens, num_prompt = self.num_tokens[slots, None], self.num_prompt_tokens[slots, None]
+        width = int(num_tokens.max())
+        ids, positions = self.token_ids[slots, :width].astype(np.int64), np.arange(width)
+        all_ids = np.where(positions < num_tokens, ids, -1) if (values[:, 0] != 1.0).any() else None
+        output_ids = None
+        if values[:, 1:].any():
+            output_ids = np.where((positions >= num_prompt) & (positions < num_tokens), ids, -1)
+        column = lambda i: _tensor(np.ascontiguousarray(values[:, i:i + 1]), device)  # noqa: E731
+        return Penalties(_tensor(rows, device), None if all_ids is None else _tensor(all_ids, device),
+                         None if output_ids is None else _tensor(output_ids, device), column(0), column(1), column(2))
+
+    def _banned(self, slots: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids): EOS and stop_token_ids for the rows that have not reached min_tokens yet."""
+        active = np.flatnonzero(self.num_tokens[slots] - self.num_prompt_tokens[slots] < self.min_tokens[slots])
+        rows, token_ids = [], []
+        for row in active.tolist():
+            banned = [t for t in self.params[int(slots[row])].stop_token_ids if t < _MAX_TOKEN_ID] + self.eos_token_ids
+            rows += [row] * len(banned)
+            token_ids += banned
+        if not rows:
+            return None
+        return _tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device)
+
+
+def _column(values: np.ndarray, device) -> float | int | torch.Tensor:
+    """One value per row -> that value when all rows agree, else a [N, 1] tensor."""
+    if (values == values[0]).all():
+        return values[0].item()
+    return _tensor(values[:, None], device)
+
+
+def _tensor(values: np.ndarray, device) -> torch.Tensor:
+    """Host array -> tensor on device; on CUDA through pinned memory, so the copy does not block the host."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
