@@ -75,6 +75,7 @@ class Blocks:
         out.num_computed_tokens = np.array([work[seq.request_id][0] for seq in self.rows], dtype=np.int64)
         out.num_scheduled_tokens = np.array([work[seq.request_id][1] for seq in self.rows], dtype=np.int64)
         out.samples = out.num_computed_tokens + out.num_scheduled_tokens == [seq.num_tokens for seq in self.rows]
+        out.num_batched_tokens = int(out.num_scheduled_tokens.sum())
         self.sampled = [seq for seq, samples in zip(self.rows, out.samples) if samples]
         self._sampled_lengths = [seq.num_tokens for seq in self.sampled]
         return out

@@ -30,7 +30,7 @@ def metadata(seqs, eos=EOS):
                                                 seq.sampling_params, []) for seq in seqs],
                           num_computed_tokens=np.zeros(len(seqs), np.int64),
                           num_scheduled_tokens=np.array([seq.num_tokens for seq in seqs], np.int64),
-                          samples=np.ones(len(seqs), bool))
+                          samples=np.ones(len(seqs), bool), num_batched_tokens=sum(seq.num_tokens for seq in seqs))
     batch.update(out)
     batch.prepare(out)
     return batch.sampling_metadata(torch.device("cpu"))

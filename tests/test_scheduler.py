@@ -44,6 +44,11 @@ def check_mirror(batch: InputBatch, scheduler: Scheduler) -> None:
                                                                            len(seq.block_table))
 
 
+def check_blocks(scheduler: Scheduler) -> None:
+    computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
+    scheduler.block_manager.check_invariants(scheduler.running, computed)
+
+
 def step(scheduler: Scheduler, next_token=7, tokens=None):
     """schedule -> the mirror applies the diffs and builds the step's inputs -> fake model (samples next_token,
     or the next of `tokens`, on sampling rows) -> update -> finish at max_tokens."""
@@ -59,7 +64,8 @@ def step(scheduler: Scheduler, next_token=7, tokens=None):
     expected = [running[rid].token_ids[p] for rid, start, n in out.rows for p in range(start, start + n)]
     assert inputs.input_ids.tolist() == expected
     sampled = np.array([next_token if tokens is None else tokens.pop(0) for _ in range(out.num_sampled)])
-    seqs = scheduler.update(out, sampled)
+    seqs = scheduler.update(out, sampled).seqs
+    scheduler.check_columns()
     out.sampled = [seq.request_id for seq in seqs]
     for seq in seqs:
         if seq.num_output_tokens >= seq.max_tokens:
@@ -99,7 +105,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
     assert plans[0].num_prefill_tokens == 7
     assert plans[1].sampled == ["short"]  # a mid-prompt chunk samples nothing
     assert plans[2].sampled == ["short", "long"]
-    assert long.num_computed_tokens == 20 and long.num_output_tokens == 1
+    assert scheduler.num_computed_tokens(long) == 20 and long.num_output_tokens == 1
     assert rows(step(scheduler)) == [("short", 6, 1), ("long", 20, 1)]
     assert long.is_finished and long.finish_reason == "length"
     assert scheduler.prompt_tokens_computed == 23
@@ -127,7 +133,7 @@ def test_waiting_queue_is_fifo_and_does_not_skip_ahead():
     plan = step(scheduler)
     assert rows(plan) == [("big", 24, 1)]
     assert [s.request_id for s in scheduler.waiting] == ["blocked", "small"]
-    scheduler.block_manager.check_invariants(scheduler.running)  # the undone prefix taking leaked nothing
+    check_blocks(scheduler)  # the undone prefix taking leaked nothing
     run_to_completion(scheduler)
 
 
@@ -143,7 +149,7 @@ def test_newest_sequence_is_preempted_and_finishes_after_recompute():
     step(scheduler)
     plan = step(scheduler)  # old needs a 4th block, none free: the newest goes
     assert plan.preempted_ids == ["new"] and rows(plan) == [("old", 6, 1)]
-    assert new.status == SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert new.status == SequenceStatus.WAITING and new.block_table == [] and scheduler.num_computed_tokens(new) == 0
     assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
     generated_before = new.output_token_ids
     recompute_rows = []
@@ -196,7 +202,7 @@ def test_running_sequences_share_a_prefix_while_both_are_live():
     step(scheduler)
     assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
     assert scheduler.prompt_tokens_computed == 18 + 1
-    scheduler.block_manager.check_invariants(scheduler.running)
+    check_blocks(scheduler)
     run_to_completion(scheduler)
 
 
@@ -315,7 +321,7 @@ def random_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs: i
             scheduler.abort(rng.choice(scheduler.running).request_id)
         if scheduler.has_unfinished():
             step(scheduler, rng.randrange(3))
-            scheduler.block_manager.check_invariants(scheduler.running)
+            check_blocks(scheduler)
     return scheduler
 
 

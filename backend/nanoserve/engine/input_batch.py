@@ -8,6 +8,7 @@ up without moving their tables."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from nanoserve.sampling_params import SamplingParams
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
 # sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
-FEATURES = ("top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs")
+FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs")
 
 
 @dataclass
@@ -38,7 +39,7 @@ class StepInputs:
 
 
 def _features(params: SamplingParams) -> list[str]:
-    used = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
+    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
             "seed": params.seed is not None, "min_tokens": params.min_tokens > 0,
             "logprobs": params.logprobs is not None,
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
@@ -56,9 +57,11 @@ class InputBatch:
         # slots of the rows that sample in the step being run, in order; the next diff brings their tokens
         self.sampling_slots = np.zeros(0, dtype=np.int64)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self._flat_token_ids = self.token_ids.ravel()
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
+        self._flat_block_tables = self.block_tables.ravel()
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
         self.temperature = np.ones(max_num_seqs, dtype=np.float32)
@@ -69,6 +72,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         self.num_rows_using = dict.fromkeys(FEATURES, 0)
+        # how many rows hold each value of a column: one value for the whole batch is passed as a number
+        self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -77,9 +82,8 @@ class InputBatch:
     def update(self, out: SchedulerOutput) -> None:
         slots = self.sampling_slots
         assert len(slots) == len(out.new_token_ids), "sampled tokens do not match the rows that sampled"
-        self.token_ids[slots, self.num_tokens[slots]] = out.new_token_ids
+        self._flat_token_ids[slots * self.token_ids.shape[1] + self.num_tokens[slots]] = out.new_token_ids
         self.num_tokens[slots] += 1
-        self.sampling_slots = slots[:0]
         if out.finished_ids or out.preempted_ids:
             self._remove(out.finished_ids + out.preempted_ids)
         if out.new_seqs:
@@ -109,6 +113,8 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         for name in _features(params):
             self.num_rows_using[name] += 1
+        for name, counter in self.values.items():
+            counter[getattr(self, name)[slot].item()] += 1
         return slot
 
     def _remove(self, request_ids: list[str]) -> None:
@@ -119,6 +125,11 @@ class InputBatch:
             self.block_tables[slot, :self.num_blocks[slot]] = 0  # columns past a row's table are padding
             for name in _features(self.params[slot]):
                 self.num_rows_using[name] -= 1
+            for name, counter in self.values.items():
+                value = getattr(self, name)[slot].item()
+                counter[value] -= 1
+                if not counter[value]:
+                    del counter[value]
             self.params[slot] = None
             self._free_slots.append(slot)
         self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
@@ -127,32 +138,43 @@ class InputBatch:
     # ---- one step ----
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's inputs: row r computes positions num_computed_tokens[r] .. + num_scheduled_tokens[r]."""
-        rows = np.flatnonzero(out.num_scheduled_tokens)
-        counts, computed, slots = out.num_scheduled_tokens[rows], out.num_computed_tokens[rows], self.slots[rows]
-        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(counts, out=query_start_loc[1:])
-        token_rows = np.repeat(np.arange(len(rows)), counts)
-        positions = computed[token_rows] + np.arange(len(token_rows)) - query_start_loc[token_rows]
-        token_slots = slots[token_rows]
-        block_ids = self.block_tables[token_slots, positions // self.block_size].astype(np.int64)
+        counts, computed, slots, samples = out.num_scheduled_tokens, out.num_computed_tokens, self.slots, out.samples
+        if np.count_nonzero(counts) < len(counts):  # rows the budget left out are not in the step
+            rows = counts.nonzero()[0]
+            counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
+        num_rows = len(counts)
+        if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
+            query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
+            positions, token_slots, ends, max_query_len = computed, slots, query_start_loc[1:], min(num_rows, 1)
+        else:
+            query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
+            query_start_loc[1:] = ends = counts.cumsum()
+            assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
+            positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
+            token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
+        block_index = positions // self.block_size
+        slot_mapping = self._flat_block_tables.take(token_slots * self.block_tables.shape[1] + block_index).astype(
+            np.int64)
+        slot_mapping *= self.block_size
+        slot_mapping += positions - block_index * self.block_size
         seq_lens = (computed + counts).astype(np.int32)
-        max_seq_len = int(seq_lens.max(initial=0))
-        samples = out.samples[rows]
+        max_seq_len = int(seq_lens.max()) if num_rows else 0
         self.sampling_slots = slots[samples]
-        return StepInputs(self.token_ids[token_slots, positions].astype(np.int64), positions,
-                          block_ids * self.block_size + positions % self.block_size, query_start_loc, seq_lens,
-                          self.block_tables[slots, :-(-max_seq_len // self.block_size)],
-                          query_start_loc[1:][samples] - 1, int(counts.max(initial=0)), max_seq_len)
+        return StepInputs(self._flat_token_ids.take(token_slots * self.token_ids.shape[1] + positions).astype(np.int64),
+                          positions, slot_mapping, query_start_loc, seq_lens,
+                          self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
+                          (ends[samples] - 1).astype(np.int64), max_query_len, max_seq_len)
 
     def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
         """The sampling parameters of the step's sampling rows, in order."""
-        slots = self.sampling_slots
-        temperatures = self.temperature[slots]
-        greedy = temperatures < GREEDY_TEMPERATURE
-        meta = SamplingMetadata(num_rows=len(slots), all_greedy=bool(greedy.all()))
-        uses = self.num_rows_using
+        slots, uses = self.sampling_slots, self.num_rows_using
+        greedy = None  # per row, when the batch mixes greedy and sampled rows
+        if 0 < uses["greedy"] < len(self):
+            greedy = self.temperature[slots] < GREEDY_TEMPERATURE
+        all_greedy = not len(slots) or uses["greedy"] == len(self) or (greedy is not None and bool(greedy.all()))
+        meta = SamplingMetadata(num_rows=len(slots), all_greedy=all_greedy)
         if not meta.all_greedy:
-            self._set_sampling(meta, slots, greedy, np.where(greedy, 1.0, temperatures), device)
+            self._set_sampling(meta, slots, greedy, device)
         if uses["penalties"]:
             meta.penalties = self._penalties(slots, device)
         if uses["min_tokens"]:
@@ -163,30 +185,34 @@ class InputBatch:
             meta.max_logprobs = int(counts.max(initial=0))
         return meta
 
-    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, temperatures, device) -> None:
-        if greedy.any():
+    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
+        if greedy is not None and greedy.any():
             meta.greedy = _tensor(greedy, device)
-        meta.temperatures = _column(temperatures, device)
+            meta.temperatures = _tensor(np.where(greedy, np.float32(1.0), self.temperature[slots])[:, None], device)
+        else:
+            greedy = np.zeros(len(slots), dtype=bool)
+            meta.temperatures = self._column("temperature", slots, device)
         uses = self.num_rows_using
         if uses["top_k"]:
-            top_ks = self.top_k[slots]
-            sampled_ks = top_ks[~greedy]  # greedy rows ignore their filters
+            sampled_ks = self.top_k[slots][~greedy]  # greedy rows ignore their filters
             if (sampled_ks < _NO_TOP_K).any():
-                meta.top_ks = _column(top_ks, device)
+                meta.top_ks = self._column("top_k", slots, device)
                 if (sampled_ks < _NO_TOP_K).all():
                     meta.max_top_k = int(sampled_ks.max())
         if uses["top_p"]:
-            top_ps = self.top_p[slots]
-            if (top_ps < math.inf).any():
-                meta.top_ps = _column(top_ps, device)
+            meta.top_ps = self._column("top_p", slots, device)
         if uses["min_p"]:
-            log_min_ps = self.log_min_p[slots]
-            if (log_min_ps > -math.inf).any():
-                meta.log_min_ps = _column(log_min_ps, device)
+            meta.log_min_ps = self._column("log_min_p", slots, device)
         if uses["seed"]:
             meta.seeded = [(row, step_seed(self.params[slot].seed, self._num_output(slot)))
                            for row, slot in enumerate(slots.tolist())
                            if self.params[slot].seed is not None and not greedy[row]]
+
+    def _column(self, name: str, slots: np.ndarray, device) -> float | int | torch.Tensor:
+        """A sampling parameter of the rows in slots: a number when the whole batch agrees, else [N, 1]."""
+        if len(self.values[name]) == 1:
+            return next(iter(self.values[name]))
+        return _tensor(getattr(self, name)[slots][:, None], device)
 
     def _num_output(self, slot: int) -> int:
         return int(self.num_tokens[slot] - self.num_prompt_tokens[slot])
@@ -219,13 +245,6 @@ class InputBatch:
         if not rows:
             return None
         return _tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device)
-
-
-def _column(values: np.ndarray, device) -> float | int | torch.Tensor:
-    """One value per row -> that value when all rows agree, else a [N, 1] tensor."""
-    if (values == values[0]).all():
-        return values[0].item()
-    return _tensor(values[:, None], device)
 
 
 def _tensor(values: np.ndarray, device) -> torch.Tensor:

@@ -104,10 +104,10 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         sampled = self.executor.execute(scheduled)
-        seqs = self.scheduler.update(scheduled, sampled.token_ids)
-        for seq, reason in self.output_processor.process(seqs, sampled, outputs):
+        sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids)
+        for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
             self.scheduler.finish(seq, reason)
-        self.num_generation_tokens += len(seqs)
+        self.num_generation_tokens += len(sampled_seqs.seqs)
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
         return outputs

@@ -132,7 +132,7 @@ class ModelRunner:
                                         for i in range(num_seqs)],
                               num_computed_tokens=np.zeros(num_seqs, np.int64),
                               num_scheduled_tokens=np.full(num_seqs, seq_len, np.int64),
-                              samples=np.ones(num_seqs, bool))
+                              samples=np.ones(num_seqs, bool), num_batched_tokens=num_seqs * seq_len)
         batch.update(out)
         self._logits(batch.prepare(out))
         hidden = torch.zeros(c.max_num_seqs, c.hf_config.hidden_size, dtype=self.dtype, device=self.device)
@@ -146,20 +146,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample: rank 0's RunnerOutput (None on the other ranks)."""
-        logits = self.run_model(out)
+        logits = self._run(out)
         if logits is None:
             return None
         meta = self.batch.sampling_metadata(self.device)
         sampled = self.sampler(logits, meta)
-        top = {}
-        if sampled.top_logprobs is not None:
-            top = dict(zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
+        top = {} if sampled.top_logprobs is None else dict(
+            zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
         return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
 
     @torch.inference_mode()
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Apply the step's diffs and run the forward: float32 logits [sampling rows, vocab] in row order on
-        rank 0, None on the other ranks."""
+        """execute() without sampling: the float32 logits [sampling rows, vocab] in row order on rank 0, None on
+        the other ranks."""
+        return self._run(out)
+
+    def _run(self, out: SchedulerOutput) -> torch.Tensor | None:
         self.batch.update(out)
         inputs = self.batch.prepare(out)
         if not len(inputs.input_ids):  # a step that only preempted
@@ -168,10 +170,9 @@ class ModelRunner:
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
         """float32 logits [sampled rows, vocab] on rank 0, None on the other ranks."""
-        input_ids, positions, slot_mapping, logits_indices = self._upload(
-            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices)
-        query_start_loc, seq_lens, block_tables = self._upload(
-            inputs.query_start_loc, inputs.seq_lens, inputs.block_tables)
+        input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
+            inputs.seq_lens, inputs.block_tables)
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
         if self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
@@ -185,12 +186,18 @@ class ModelRunner:
         return None if logits is None else logits.float()
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """Same-dtype arrays to the device in one host-to-device copy (each copy costs ~10 us of host time)."""
+        """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""
         if self.device.type == "cpu":
             return [torch.from_numpy(a) for a in arrays]
-        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays])).to(self.device, non_blocking=True)
-        parts = flat.split([a.size for a in arrays])
-        return [part.view(a.shape) for part, a in zip(parts, arrays)]
+        tensors = [None] * len(arrays)
+        for dtype in {a.dtype for a in arrays}:
+            indices = [i for i, a in enumerate(arrays) if a.dtype == dtype]
+            flat = np.concatenate([arrays[i].ravel() for i in indices])
+            parts = torch.from_numpy(flat).to(self.device, non_blocking=True).split(
+                [arrays[i].size for i in indices])
+            for i, part in zip(indices, parts):
+                tensors[i] = part.view(arrays[i].shape)
+        return tensors
 
     def shutdown(self) -> None:
         self.graphs = None

@@ -14,6 +14,7 @@ import numpy as np
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.model_runner import RunnerOutput
+from nanoserve.engine.scheduler import SampledSeqs
 from nanoserve.engine.sequence import Sequence
 
 
@@ -48,9 +49,6 @@ class RequestState:
 
 
 _request_id = attrgetter("request_id")
-_token_ids = attrgetter("token_ids")
-_watched = attrgetter("watched")
-_max_num_tokens = attrgetter("max_num_tokens")
 
 
 class OutputProcessor:
@@ -58,6 +56,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        self.watched: set[str] = set()  # the requests looked at every step
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -71,7 +70,9 @@ class OutputProcessor:
         params = seq.sampling_params
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                              params.include_stop_str_in_output)
-        self.requests[seq.request_id] = RequestState(seq, detokenizer, stream)
+        state = self.requests[seq.request_id] = RequestState(seq, detokenizer, stream)
+        if state.watched:
+            self.watched.add(seq.request_id)
         self._mark_stop_ids(params.stop_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -79,58 +80,65 @@ class OutputProcessor:
         state = self.requests.pop(request_id, None)
         if state is None:
             return None
+        self.watched.discard(request_id)
         if state.stream:
             return self._output(state, [], state.detokenizer.flush(), "abort")
         return self._final_output(state, "abort")
 
-    def process(self, seqs: list[Sequence], sampled: RunnerOutput,
+    def process(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput,
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, str]]:
-        """After the scheduler appended the sampled tokens (seqs: the sampling rows, in order): add this step's
-        RequestOutputs to `outputs`; returns the sequences that finish, with their reasons."""
-        states = list(map(self.requests.__getitem__, map(_request_id, seqs)))
-        num_rows = len(seqs)
-        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, num_rows)
-        at_limit = lengths >= np.fromiter(map(_max_num_tokens, seqs), np.int64, num_rows)
-        stopping = self.may_stop.take(sampled.token_ids, mode="clip") | at_limit
-        looked_at = np.flatnonzero(np.fromiter(map(_watched, states), bool, num_rows) | stopping).tolist()
-        token_ids, logprobs, stopping = sampled.token_ids.tolist(), sampled.logprobs, stopping.tolist()
-        finished = []
-        for row in looked_at:
-            state, token_id = states[row], token_ids[row]
-            reason = self._step_request(state, token_id, float(logprobs[row]), sampled.top_logprobs.get(row),
-                                        stopping[row], outputs)
-            if reason is not None:
-                finished.append((state.seq, reason))
+        """After the scheduler appended the sampled tokens: add this step's RequestOutputs to `outputs`; returns
+        the sequences that finish, with their reasons. The loop body runs for every streamed request at every
+        step, so its common path is written out here rather than split into calls."""
+        seqs, requests = sampled_seqs.seqs, self.requests
+        stopping = self.may_stop.take(sampled.token_ids, mode="clip")
+        stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
+        if len(self.watched) == len(requests):  # every request is looked at (streamed, say)
+            rows = range(len(seqs))
+        else:
+            looked_at = stopping
+            if self.watched:
+                looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
+            rows = looked_at.nonzero()[0].tolist()
+        if not rows:
+            return []
+        token_ids, logprobs, stopping, finished = sampled.token_ids.tolist(), sampled.logprobs.tolist(), \
+            stopping.tolist(), []
+        for row in rows:
+            seq, token_id = seqs[row], token_ids[row]
+            state = requests[seq.request_id]
+            new_logprobs = []
+            if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
+                state.cumulative_logprob += logprobs[row]
+                if state.wants_logprobs:
+                    new_logprobs = [self._logprob_entry(state, token_id, logprobs[row], sampled.top_logprobs.get(row))]
+            detokenizer = state.detokenizer
+            delta = detokenizer.add_token(token_id) if state.needs_text else ""
+            reason = None
+            if stopping[row] or detokenizer.stop_matched is not None:
+                reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(state, token_id)
+                if reason is not None:
+                    finished.append((seq, reason))
+                    del requests[seq.request_id]
+                    self.watched.discard(seq.request_id)
+                    if not state.stream:
+                        outputs.append(self._final_output(state, reason))
+                        continue
+                    delta += detokenizer.flush()
+            if state.stream:
+                outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
+                                             seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
+                                             state.cumulative_logprob, new_logprobs, seq.num_cached_tokens))
         return finished
 
-    def _step_request(self, state: RequestState, token_id: int, logprob: float, top, may_stop: bool,
-                      outputs: list[RequestOutput]) -> str | None:
-        """One looked-at request's new token: logprobs, text, the stop rule, its output; returns the finish reason."""
-        new_logprobs = []
-        if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
-            state.cumulative_logprob += logprob
-        if state.wants_logprobs:
-            count = state.seq.sampling_params.logprobs
-            entry = dict(zip(top[0][:count], top[1][:count])) if top is not None else {}
-            entry[token_id] = logprob
-            new_logprobs = [entry]
-            state.logprobs.append(entry)
-        detokenizer = state.detokenizer
-        delta = detokenizer.add_token(token_id) if state.needs_text else ""
-        reason = None
-        if detokenizer.stop_matched is not None:
-            reason = "stop"
-        elif may_stop:
-            reason = self._finish_reason(state, token_id)
-        if reason is not None:
-            del self.requests[state.seq.request_id]
-            if not state.stream:
-                outputs.append(self._final_output(state, reason))
-                return reason
-            delta += detokenizer.flush()
-        if state.stream:
-            outputs.append(self._output(state, [token_id], delta, reason, new_logprobs))
-        return reason
+    @staticmethod
+    def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> dict[int, float]:
+        """{token_id: logprob} of the request's top-n tokens and the sampled one."""
+        count = state.seq.sampling_params.logprobs
+        entry = dict(zip(top[0][:count], top[1][:count])) if top is not None else {}
+        entry[token_id] = logprob
+        state.logprobs.append(entry)
+        return entry
 
     def _finish_reason(self, state: RequestState, token_id: int) -> str | None:
         seq = state.seq

@@ -5,13 +5,15 @@ of a prompt, a whole prompt again after preemption), then admits waiting ones FI
 KV blocks run out the newest running sequence is preempted by recompute: its blocks are freed and it goes
 back to the front of the waiting queue.
 
-The running sequences are the rows of the batch. A step's decisions are numpy over the rows; only the rows
-that need a new block, and admissions, cost Python."""
+The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
+(kept only here: a waiting sequence has none), tokens and blocks held (the lengths of the sequence's lists,
+written where those change), prompt length and length limit. A step's decisions are numpy over the rows; only
+the rows that need a new block, and admissions, cost Python."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter
 
 import numpy as np
 
@@ -19,10 +21,16 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
-_token_ids = attrgetter("token_ids")
-_block_table = attrgetter("block_table")
-_num_computed_tokens = attrgetter("num_computed_tokens")
-_num_prompt_tokens = attrgetter("num_prompt_tokens")
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class SampledSeqs:
+    """The sequences that got a token in a step, in row order, with their lengths after it and length limits."""
+    seqs: list[Sequence]
+    num_tokens: np.ndarray
+    max_num_tokens: np.ndarray
 
 
 class Scheduler:
@@ -36,6 +44,9 @@ class Scheduler:
         assert self.block_size == config.kvcache_block_size, "block manager and config disagree on block size"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last one is preempted first
+        # per running row: num_computed_tokens, num_tokens, KV slots held (blocks x block_size), num_prompt_tokens,
+        # max_num_tokens
+        self.columns = np.zeros((5, max(config.max_num_seqs, 1)), dtype=np.int64)
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prompt positions computed, i.e. not taken from the prefix cache
         self._finished_ids: list[str] = []  # running sequences that finished or were aborted since schedule()
@@ -96,7 +107,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch."""
-        self.running.remove(seq)
+        row, last = self.running.index(seq), len(self.running) - 1
+        del self.running[row]
+        self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
+        self.columns[:, last] = 0
         self._finished_ids.append(seq.request_id)
         self._release(seq, reason)
 
@@ -107,50 +121,55 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(new_token_ids=self._new_token_ids, finished_ids=self._finished_ids)
-        self._new_token_ids, self._finished_ids = np.zeros(0, dtype=np.int64), []
-        rows = [self._schedule_running(out)]
-        if not out.preempted_ids:
-            rows += self._schedule_waiting(out, self.max_num_batched_tokens - int(rows[0][1].sum()))
-        computed, counts, num_tokens = (np.concatenate(column) for column in zip(*rows))
-        ends = computed + counts
-        num_prompt = np.fromiter(map(_num_prompt_tokens, self.running), np.int64, len(self.running))
-        out.num_computed_tokens, out.num_scheduled_tokens = computed, counts
-        out.samples = (ends == num_tokens) & (counts > 0)
-        out.num_prefill_tokens = int((np.minimum(ends, num_prompt) - computed).clip(0).sum())
+        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [])
+        self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+        counts, num_batched = self._schedule_running(out)
+        if self.waiting and not out.preempted_ids:
+            counts, num_batched = self._schedule_waiting(out, counts, num_batched)
+        computed, num_tokens, _, num_prompt, _ = self.columns[:, :len(self.running)]
+        out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
+        out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
+        out.num_batched_tokens = num_batched
+        prompt_left = num_prompt - computed
+        if np.count_nonzero(prompt_left > 0):
+            out.num_prefill_tokens = int(np.add.reduce(np.maximum(np.minimum(prompt_left, counts), 0)))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(num_computed_tokens, tokens scheduled, num_tokens) of the running rows, oldest first within the
-        budget; rows that need blocks get them, preempting the newest rows while the pool is short."""
-        running = self.running
-        n = len(running)
-        computed = np.fromiter(map(_num_computed_tokens, running), np.int64, n)
-        num_tokens = np.fromiter(map(len, map(_token_ids, running)), np.int64, n)
-        wanted = num_tokens - computed
-        counts = np.clip(self.max_num_batched_tokens - (np.cumsum(wanted) - wanted), 0, wanted)
-        capacity = np.fromiter(map(len, map(_block_table, running)), np.int64, n) * self.block_size
-        for row in np.flatnonzero(computed + counts > capacity).tolist():
-            if row >= len(running) or not self._grow(row, int(counts[row]), out):
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
+        """Tokens for the running rows, oldest first within the budget (and their total); rows that need
+        blocks get them, preempting the newest rows while the pool is short."""
+        computed, num_tokens, capacity = self.columns[:3, :len(self.running)]
+        counts = num_tokens - computed  # what each row lacks
+        num_batched = int(np.add.reduce(counts))
+        if num_batched > self.max_num_batched_tokens:  # the budget runs out: the oldest rows first
+            counts = np.clip(self.max_num_batched_tokens - (counts.cumsum() - counts), 0, counts)
+            num_batched = self.max_num_batched_tokens
+        short = computed + counts > capacity
+        for row in (short.nonzero()[0].tolist() if np.count_nonzero(short) else ()):
+            if row >= len(self.running) or not self._grow(row, int(computed[row] + counts[row]), out):
                 break  # the row was preempted, and every row after it
-        n = len(running)
-        return computed[:n], counts[:n], num_tokens[:n]
+        if len(self.running) < len(counts):
+            counts = counts[:len(self.running)]
+            num_batched = int(np.add.reduce(counts))
+        return counts, num_batched
 
-    def _grow(self, row: int, num_new_tokens: int, out: SchedulerOutput) -> bool:
-        """Blocks for running[row]'s next num_new_tokens, preempting the newest rows as needed; False when it had
-        to preempt the row itself."""
+    def _grow(self, row: int, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Blocks for running[row] to hold num_tokens, preempting the newest rows as needed; False when it had to
+        preempt the row itself."""
         seq, block_manager = self.running[row], self.block_manager
-        while not block_manager.can_allocate(block_manager.num_blocks_needed(seq, num_new_tokens)):
+        while not block_manager.can_allocate(block_manager.num_blocks_needed(seq, num_tokens)):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
-        out.new_block_ids.append((row, block_manager.allocate(seq, num_new_tokens)))
+        out.new_block_ids.append((row, block_manager.allocate(seq, num_tokens)))
+        self.columns[2, row] = len(seq.block_table) * self.block_size
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
         self.running.pop()  # always the newest
+        self.columns[:, len(self.running)] = 0
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
@@ -158,51 +177,67 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted_ids.append(seq.request_id)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> list[tuple[np.ndarray, ...]]:
-        """Admit waiting sequences FIFO while the budget, max_num_seqs and the pool allow; their rows' arrays."""
-        rows = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, counts: np.ndarray, num_batched: int) -> tuple[np.ndarray, int]:
+        """Admit waiting sequences FIFO while the budget, max_num_seqs and the pool allow; the counts of all rows
+        and their total."""
+        new_counts = []
+        while self.waiting and num_batched < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = self._admit(seq, budget)
+            num_cached, num_new = self._admit(seq, self.max_num_batched_tokens - num_batched)
             if num_new == 0:
                 break  # FIFO: nothing behind it jumps the queue
             self.waiting.popleft()
+            self.columns[:, len(self.running)] = (num_cached, seq.num_tokens, len(seq.block_table) * self.block_size,
+                                                  seq.num_prompt_tokens, seq.max_num_tokens)
             self.running.append(seq)
             out.new_seqs.append(NewSequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens,
                                             seq.sampling_params, list(seq.block_table)))
-            rows.append((np.array([seq.num_computed_tokens]), np.array([num_new]), np.array([seq.num_tokens])))
-            budget -= num_new
-        return rows
+            new_counts.append(num_new)
+            num_batched += num_new
+        return (np.concatenate([counts, new_counts]).astype(np.int64) if new_counts else counts), num_batched
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        """Take the cached prefix and blocks for the first chunk; returns the chunk size, 0 if it does not fit."""
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
+        """Take the cached prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
+        it does not fit."""
         block_manager = self.block_manager
-        block_manager.allocate_cached_prefix(seq)
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not block_manager.can_allocate(block_manager.num_blocks_needed(seq, num_new)):
-            block_manager.undo_cached_prefix(seq)
-            return 0
-        block_manager.allocate(seq, num_new)
+        num_cached = block_manager.allocate_cached_prefix(seq)
+        num_new = min(seq.num_tokens - num_cached, budget)
+        if not block_manager.can_allocate(block_manager.num_blocks_needed(seq, num_cached + num_new)):
+            block_manager.undo_cached_prefix(seq, num_cached)
+            return 0, 0
+        block_manager.allocate(seq, num_cached + num_new)
         seq.status = SequenceStatus.RUNNING
-        return num_new
+        seq.num_cached_tokens = num_cached
+        return num_cached, num_new
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray) -> SampledSeqs:
         """After the step `out` described ran (no sequence finished in between): record the computed KV, append
         the sampled tokens (one per sampling row, in row order) and register newly full blocks in the prefix
-        cache. Returns the sequences that got a token, in row order."""
-        running, samples = self.running, out.samples
+        cache. Returns the sequences that got a token."""
+        running, samples, counts = self.running, out.samples, out.num_scheduled_tokens
         assert len(running) == out.num_rows, "the running sequences changed between schedule() and update()"
-        ends = out.num_computed_tokens + out.num_scheduled_tokens
-        for row in np.flatnonzero(~samples & (out.num_scheduled_tokens > 0)).tolist():  # prompt chunks
-            running[row].num_computed_tokens = int(ends[row])
+        computed, num_tokens, _, _, max_num_tokens = self.columns[:, :len(running)]
+        computed += counts
+        num_tokens += samples
         seqs = list(compress(running, samples))
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
-            token_ids = seq.token_ids
-            seq.num_computed_tokens = len(token_ids)  # a sampling row computed all tokens it had
-            token_ids.append(token_id)
+            seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
-            for row in np.flatnonzero(ends // self.block_size > out.num_computed_tokens // self.block_size).tolist():
-                self.block_manager.cache_full_blocks(running[row])
+            filled = computed % self.block_size < counts  # the rows that filled a block
+            for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
+                self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
         self._new_token_ids = sampled_token_ids
-        return seqs
+        return SampledSeqs(seqs, num_tokens[samples], max_num_tokens[samples])
+
+    def num_computed_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq whose KV is in the cache (0 unless it is running)."""
+        return int(self.columns[0, self.running.index(seq)]) if seq.status is SequenceStatus.RUNNING else 0
+
+    def check_columns(self) -> None:
+        """Assert the columns match the running sequences (a testing aid)."""
+        lengths = [[s.num_tokens, len(s.block_table) * self.block_size, s.num_prompt_tokens, s.max_num_tokens]
+                   for s in self.running]
+        assert self.columns[1:, :len(self.running)].T.tolist() == lengths, (self.columns, lengths)
+        assert not self.columns[:, len(self.running):].any()
+        assert (self.columns[0, :len(self.running)] <= self.columns[1, :len(self.running)]).all()

@@ -39,15 +39,12 @@ class SchedulerOutput:
     num_computed_tokens: np.ndarray = _empty()  # [rows] int64, before this step
     num_scheduled_tokens: np.ndarray = _empty()  # [rows] int64, tokens computed this step (0: none)
     samples: np.ndarray = _empty(bool)  # [rows]: the step reaches the row's last token, so it samples
-    num_prefill_tokens: int = 0  # of the scheduled tokens, those at prompt positions
+    num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
+    num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
 
     @property
     def num_rows(self) -> int:
         return len(self.num_scheduled_tokens)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return int(self.num_scheduled_tokens.sum())
 
     @property
     def num_sampled(self) -> int:

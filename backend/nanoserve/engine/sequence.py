@@ -14,7 +14,7 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
-                 "block_table", "num_computed_tokens", "num_cached_tokens", "finish_reason")
+                 "block_table", "num_cached_tokens", "finish_reason")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int):
@@ -24,9 +24,8 @@ class Sequence:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never None inside the engine
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache; 0 while waiting
-        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
+        self.block_table: list[int] = []  # KV blocks; how many tokens they hold is the scheduler's business
+        self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     @property
@@ -51,5 +50,5 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, " \
+               f"blocks={self.block_table})"
