@@ -95,7 +95,7 @@ def main() -> None:
                 print(f"round {round_} {benchmark} {side}: {figures} ({conditions}, "
                       f"{time.monotonic() - started:.0f} s)", flush=True)
     print(f"\nA = {args.a}\nB = {args.b}\n{args.rounds} rounds, medians:")
-    print(f"| figure | A | B | B / A |\n| --- | ---: | ---: | ---: |")
+    print("| figure | A | B | B / A |\n| --- | ---: | ---: | ---: |")
     for figure in dict.fromkeys(f for f, _ in results):
         a, b = statistics.median(results[figure, "A"]), statistics.median(results[figure, "B"])
         print(f"| {figure} | {a:.3g} | {b:.3g} | {b / a:.3f} |")

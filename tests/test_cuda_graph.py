@@ -28,8 +28,8 @@ def use_triton_kernels(monkeypatch):
 
 
 def graph_runner(runner, max_num_seqs: int, max_blocks: int | None = None) -> CUDAGraphRunner:
-    return CUDAGraphRunner(runner.model, runner.backend, max_num_seqs, max_blocks or runner.max_blocks_per_seq, MAX_MODEL_LEN,
-                           runner.config.hf_config.hidden_size, runner.dtype, runner.device)
+    return CUDAGraphRunner(runner.model, runner.backend, max_num_seqs, max_blocks or runner.max_blocks_per_seq,
+                           MAX_MODEL_LEN, runner.config.hf_config.hidden_size, runner.dtype, runner.device)
 
 
 class FakeGraph:

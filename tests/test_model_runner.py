@@ -60,7 +60,8 @@ class Blocks:
             dtype=np.int64))  # the token the test appended to each sampling row (0: none)
         unfed = {seq.request_id for seq, n in zip(self.sampled, self._sampled_lengths) if seq.num_tokens == n}
         # a row leaves when it is not in the step, or when it sampled and got no token (then it joins again)
-        out.finished_ids = [seq.request_id for seq in self.rows if seq.request_id not in work or seq.request_id in unfed]
+        out.finished_ids = [seq.request_id for seq in self.rows
+                            if seq.request_id not in work or seq.request_id in unfed]
         self.rows = [seq for seq in self.rows if seq.request_id not in out.finished_ids]
         for seq, start, n in items:
             if seq in self.rows:
@@ -223,7 +224,8 @@ class _EagerGraph:
 def test_graph_replay_pads_rows_harmlessly(tiny_models):
     model_dir = tiny_models["llama"]
     runner = make_runner(model_dir, max_num_seqs=8)
-    graphs = CUDAGraphRunner(runner.model, runner.backend, 8, runner.max_blocks_per_seq, 256, 64, torch.float32, runner.device)
+    graphs = CUDAGraphRunner(runner.model, runner.backend, 8, runner.max_blocks_per_seq, 256, 64, torch.float32,
+                             runner.device)
     graphs.block_tables.fill_(5)  # stale ids from "earlier steps" in padded rows and unused columns
     graphs.graphs = {b: _EagerGraph(graphs, b) for b in graphs.buckets}
     runner.graphs = graphs

@@ -39,9 +39,9 @@ class StepInputs:
 
 
 def _features(params: SamplingParams) -> list[str]:
-    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
-            "seed": params.seed is not None, "min_tokens": params.min_tokens > 0,
-            "logprobs": params.logprobs is not None,
+    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
+            "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
+            "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
     return [name for name in FEATURES if used[name]]
