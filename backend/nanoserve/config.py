@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 import torch
+from transformers import AutoConfig
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -66,8 +67,6 @@ class EngineConfig:
         self._load_hf_config()
 
     def _load_hf_config(self):
-        from transformers import AutoConfig
-
         self.hf_config = AutoConfig.from_pretrained(self.model)
         limit = getattr(self.hf_config, "max_position_embeddings", 8192)
         if self.max_model_len is None:

@@ -20,6 +20,8 @@ import codecs
 import weakref
 from collections.abc import Sequence
 
+from tokenizers import decoders
+
 REPLACEMENT = "\ufffd"
 MAX_WINDOW = 12  # tokens decoded per step before the window start moves up to the previous commit
 
@@ -217,8 +219,6 @@ def _whole_char_texts(table: list[bytes]) -> list[str | None]:
 
 
 def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
-    from tokenizers import decoders
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
             or not isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)):

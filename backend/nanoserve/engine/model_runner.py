@@ -134,7 +134,7 @@ class ModelRunner:
                               num_scheduled_tokens=np.full(num_seqs, seq_len, np.int64),
                               samples=np.ones(num_seqs, bool), num_batched_tokens=num_seqs * seq_len)
         batch.update(out)
-        self._logits(batch.prepare(out))
+        self.forward(batch.prepare(out))
         hidden = torch.zeros(c.max_num_seqs, c.hf_config.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)
         if logits is not None:
@@ -143,33 +143,23 @@ class ModelRunner:
         return scratch_bytes
 
     # ---- one step ----
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample: rank 0's RunnerOutput (None on the other ranks)."""
-        logits = self._run(out)
-        if logits is None:
-            return None
-        meta = self.batch.sampling_metadata(self.device)
-        sampled = self.sampler(logits, meta)
-        top = {} if sampled.top_logprobs is None else dict(
-            zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
-        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
+        logits = self.run_model(out)
+        return None if logits is None else self.sample(logits)
 
     @torch.inference_mode()
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """execute() without sampling: the float32 logits [sampling rows, vocab] in row order on rank 0, None on
-        the other ranks."""
-        return self._run(out)
-
-    def _run(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Apply the step's diffs and run the forward: the float32 logits [sampling rows, vocab] in row order on
+        rank 0, None on the other ranks."""
         self.batch.update(out)
         inputs = self.batch.prepare(out)
         if not len(inputs.input_ids):  # a step that only preempted
             return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device)
-        return self._logits(inputs)
+        return self.forward(inputs)
 
-    def _logits(self, inputs: StepInputs) -> torch.Tensor | None:
-        """float32 logits [sampled rows, vocab] on rank 0, None on the other ranks."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others."""
         input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables)
@@ -184,6 +174,14 @@ class ModelRunner:
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
+
+    def sample(self, logits: torch.Tensor) -> RunnerOutput:
+        """The next tokens of the rows the last prepared step samples, from their logits."""
+        meta = self.batch.sampling_metadata(self.device)
+        sampled = self.sampler(logits, meta)
+        top = {} if sampled.top_logprobs is None else dict(
+            zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
+        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""
