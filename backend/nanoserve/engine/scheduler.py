@@ -6,8 +6,8 @@ KV blocks run out the newest running sequence is preempted by recompute: its blo
 back to the front of the waiting queue.
 
 The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
-(kept only here: a waiting sequence has none), tokens and blocks held (the lengths of the sequence's lists,
-written where those change), prompt length and length limit. A step's decisions are numpy over the rows; only
+(kept only here: a waiting sequence has none), tokens and KV slots held (the lengths of the sequence's token
+list and block table, written where those change), prompt length and length limit. A step's decisions are numpy over the rows; only
 the rows that need a new block, and admissions, cost Python."""
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import numpy as np
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
@@ -50,7 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prompt positions computed, i.e. not taken from the prefix cache
         self._finished_ids: list[str] = []  # running sequences that finished or were aborted since schedule()
-        self._new_token_ids = np.zeros(0, dtype=np.int64)  # what update() appended, for the runners
+        self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
 
     # ---- queues ----
     @property
