@@ -54,11 +54,11 @@ class InputBatch:
         self.req_ids: list[str] = []  # per row
         self.slots = np.zeros(0, dtype=np.int64)  # per row
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
-        # slots of the rows that sample in the step being run, in order; the next diff brings their tokens
-        self.sampling_slots = np.zeros(0, dtype=np.int64)
+        # the rows that sample in the step being run, in order: their slots, their lengths (tokens held before
+        # the sampled one), and where the sampled tokens go in token_ids (they come with the next diff)
+        self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
         self._flat_token_ids = self.token_ids.ravel()
-        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
         self._flat_block_tables = self.block_tables.ravel()
@@ -80,10 +80,9 @@ class InputBatch:
 
     # ---- diffs ----
     def update(self, out: SchedulerOutput) -> None:
-        slots = self.sampling_slots
-        assert len(slots) == len(out.new_token_ids), "sampled tokens do not match the rows that sampled"
-        self._flat_token_ids[slots * self.token_ids.shape[1] + self.num_tokens[slots]] = out.new_token_ids
-        self.num_tokens[slots] += 1
+        assert len(self._next_token_index) == len(out.new_token_ids), "sampled tokens do not match the rows"
+        self._flat_token_ids[self._next_token_index] = out.new_token_ids
+        self._next_token_index = self._next_token_index[:0]
         if out.finished_ids or out.preempted_ids:
             self._remove(out.finished_ids + out.preempted_ids)
         if out.new_seqs:
@@ -98,9 +97,9 @@ class InputBatch:
     def _add(self, new: NewSequence) -> int:
         slot = self._free_slots.pop()
         self.req_ids.append(new.request_id)
-        num_tokens, num_blocks = len(new.token_ids), len(new.block_ids)
-        self.token_ids[slot, :num_tokens] = new.token_ids
-        self.num_tokens[slot], self.num_prompt_tokens[slot] = num_tokens, new.num_prompt_tokens
+        num_blocks = len(new.block_ids)
+        self.token_ids[slot, :len(new.token_ids)] = new.token_ids
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.block_tables[slot, :num_blocks] = new.block_ids
         self.num_blocks[slot] = num_blocks
         params = self.params[slot] = new.sampling_params
@@ -157,13 +156,16 @@ class InputBatch:
             np.int64)
         slot_mapping *= self.block_size
         slot_mapping += positions - block_index * self.block_size
-        seq_lens = (computed + counts).astype(np.int32)
+        token_index = token_slots * self.token_ids.shape[1] + positions
+        seq_lens = computed + counts
         max_seq_len = int(seq_lens.max()) if num_rows else 0
-        self.sampling_slots = slots[samples]
-        return StepInputs(self._flat_token_ids.take(token_slots * self.token_ids.shape[1] + positions).astype(np.int64),
-                          positions, slot_mapping, query_start_loc, seq_lens,
+        logits_indices = ends[samples] - 1
+        self.sampling_slots, self.sampling_lengths = slots[samples], seq_lens[samples]
+        self._next_token_index = token_index[logits_indices] + 1
+        return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions, slot_mapping,
+                          query_start_loc, seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          (ends[samples] - 1).astype(np.int64), max_query_len, max_seq_len)
+                          logits_indices.astype(np.int64), max_query_len, max_seq_len)
 
     def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
         """The sampling parameters of the step's sampling rows, in order."""
@@ -204,7 +206,8 @@ class InputBatch:
         if uses["min_p"]:
             meta.log_min_ps = self._column("log_min_p", slots, device)
         if uses["seed"]:
-            meta.seeded = [(row, step_seed(self.params[slot].seed, self._num_output(slot)))
+            num_output = (self.sampling_lengths - self.num_prompt_tokens[slots]).tolist()
+            meta.seeded = [(row, step_seed(self.params[slot].seed, num_output[row]))
                            for row, slot in enumerate(slots.tolist())
                            if self.params[slot].seed is not None and not greedy[row]]
 
@@ -214,16 +217,13 @@ class InputBatch:
             return next(iter(self.values[name]))
         return _tensor(getattr(self, name)[slots][:, None], device)
 
-    def _num_output(self, slot: int) -> int:
-        return int(self.num_tokens[slot] - self.num_prompt_tokens[slot])
-
     def _penalties(self, slots: np.ndarray, device) -> Penalties | None:
         values = self.penalties[slots]
         rows = np.flatnonzero((values != (1.0, 0.0, 0.0)).any(axis=1))
         if not len(rows):
             return None
         values, slots = values[rows], slots[rows]
-        num_tokens, num_prompt = self.num_tokens[slots, None], self.num_prompt_tokens[slots, None]
+        num_tokens, num_prompt = self.sampling_lengths[rows, None], self.num_prompt_tokens[slots, None]
         width = int(num_tokens.max())
         ids, positions = self.token_ids[slots, :width].astype(np.int64), np.arange(width)
         all_ids = np.where(positions < num_tokens, ids, -1) if (values[:, 0] != 1.0).any() else None
@@ -236,7 +236,7 @@ class InputBatch:
 
     def _banned(self, slots: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids): EOS and stop_token_ids for the rows that have not reached min_tokens yet."""
-        active = np.flatnonzero(self.num_tokens[slots] - self.num_prompt_tokens[slots] < self.min_tokens[slots])
+        active = np.flatnonzero(self.sampling_lengths - self.num_prompt_tokens[slots] < self.min_tokens[slots])
         rows, token_ids = [], []
         for row in active.tolist():
             banned = [t for t in self.params[int(slots[row])].stop_token_ids if t < _MAX_TOKEN_ID] + self.eos_token_ids

@@ -7,8 +7,8 @@ back to the front of the waiting queue.
 
 The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
 (kept only here: a waiting sequence has none), tokens and KV slots held (the lengths of the sequence's token
-list and block table, written where those change), prompt length and length limit. A step's decisions are numpy over the rows; only
-the rows that need a new block, and admissions, cost Python."""
+list and block table, written where those change), prompt length and length limit. A step's decisions are numpy
+over the rows; only the rows that need a new block, and admissions, cost Python."""
 from __future__ import annotations
 
 from collections import deque
@@ -129,9 +129,9 @@ class Scheduler:
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
         out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
         out.num_batched_tokens = num_batched
-        prompt_left = num_prompt - computed
-        if np.count_nonzero(prompt_left > 0):
-            out.num_prefill_tokens = int(np.add.reduce(np.maximum(np.minimum(prompt_left, counts), 0)))
+        in_prompt = num_prompt > computed
+        if np.count_nonzero(in_prompt):
+            out.num_prefill_tokens = int(np.add.reduce(np.minimum(num_prompt - computed, counts)[in_prompt]))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
