@@ -32,7 +32,7 @@ SERVING = re.compile(r"^served / in-process: ([\d.]+)", re.M)
 
 def commands(args) -> dict[str, list[str]]:
     serving = ["client/bench_serving.py", "--model-repository", str(args.model_repository or ""), "--together",
-               "--rounds", str(args.serving_rounds), "--concurrency", "64", "--num-prompts", "128", "--input-len", "64",
+               "--rounds", str(args.serving_rounds), "--concurrency", "64", "--num-prompts", "256", "--input-len", "64",
                "--output-len", "64"]
     return {
         "host": ["client/bench_host_overhead.py", "--num-seqs", "64", "256", "--steps", "50", "--host-only"],

@@ -161,6 +161,28 @@ def test_streaming_engine_api_and_abort(qwen3_dir, make_llm):
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
 
 
+def test_abort_all_recovers_from_a_step_that_failed_half_way(qwen3_dir, make_llm):
+    """The forward raises after the runner applied the step's diffs: abort_all() leaves the scheduler and the
+    runner in step again, and the next requests get HF's tokens."""
+    llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK)
+    engine, prompts = llm.engine, random_prompts([5, 9], seed=13)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, GREEDY)
+    engine.step()
+    engine.step()  # a prefill and a decode: the runner's batch holds both rows
+
+    def failing(inputs):
+        raise RuntimeError("the forward failed")
+    runner = engine.executor.runner
+    runner.forward = failing
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    del runner.forward  # the method again
+    assert sorted(engine.abort_all()) == ["a0", "a1"] and not engine.has_unfinished_requests()
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == [hf_greedy(qwen3_dir, p, GREEDY.max_tokens) for p in prompts]
+
+
 def run_engine(engine, requests) -> dict[str, list]:
     """requests: (request_id, prompt, params, stream); steps until all finish -> outputs per request."""
     for request_id, prompt, params, stream in requests:

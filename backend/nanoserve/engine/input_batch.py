@@ -47,6 +47,14 @@ def _features(params: SamplingParams) -> list[str]:
     return [name for name in FEATURES if used[name]]
 
 
+def divmod_block(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions // block_size, positions % block_size), by shift and mask when block_size is a power of two (the
+    usual case): numpy's integer division is several times slower."""
+    if block_size & (block_size - 1):
+        return np.divmod(positions, block_size)
+    return positions >> (block_size.bit_length() - 1), positions & (block_size - 1)
+
+
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids=()):
         self.block_size = block_size
@@ -151,16 +159,18 @@ class InputBatch:
             assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
             positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
             token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
-        block_index = positions // self.block_size
+        block_index, offsets = divmod_block(positions, self.block_size)
         slot_mapping = self._flat_block_tables.take(token_slots * self.block_tables.shape[1] + block_index).astype(
             np.int64)
         slot_mapping *= self.block_size
-        slot_mapping += positions - block_index * self.block_size
+        slot_mapping += offsets
         token_index = token_slots * self.token_ids.shape[1] + positions
         seq_lens = computed + counts
         max_seq_len = int(seq_lens.max()) if num_rows else 0
-        logits_indices = ends[samples] - 1
-        self.sampling_slots, self.sampling_lengths = slots[samples], seq_lens[samples]
+        self.sampling_slots, self.sampling_lengths, sampling_ends = slots, seq_lens, ends
+        if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
+            self.sampling_slots, self.sampling_lengths, sampling_ends = slots[samples], seq_lens[samples], ends[samples]
+        logits_indices = sampling_ends - 1
         self._next_token_index = token_index[logits_indices] + 1
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions, slot_mapping,
                           query_start_loc, seq_lens.astype(np.int32),

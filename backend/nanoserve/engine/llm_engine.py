@@ -88,11 +88,14 @@ class LLMEngine:
         return True
 
     def abort_all(self) -> list[str]:
-        """Abort every request, dropping their final outputs; returns their ids."""
+        """Abort every request, dropping their final outputs; returns their ids. The runners' batches start
+        empty again, so this also recovers from a step that raised half-way."""
         request_ids = list(self.output_processor.requests)
         for request_id in request_ids:
             self.abort_request(request_id)
         self.pending_outputs.clear()
+        self.scheduler.reset_batch()
+        self.executor.call("reset_batch")
         return request_ids
 
     def has_unfinished_requests(self) -> bool:

@@ -40,6 +40,10 @@ def pick_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", first + rank)
 
 
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -181,7 +185,7 @@ class ModelRunner:
         sampled = self.sampler(logits, meta)
         top = {} if sampled.top_logprobs is None else dict(
             zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
-        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
+        return RunnerOutput(_host(sampled.token_ids), _host(sampled.sampled_logprobs), top)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""
@@ -196,6 +200,11 @@ class ModelRunner:
             for i, part in zip(indices, parts):
                 tensors[i] = part.view(arrays[i].shape)
         return tensors
+
+    def reset_batch(self) -> None:
+        """Forget every row (after a failed step): the scheduler sends them again as new sequences."""
+        c = self.config
+        self.batch = InputBatch(c.max_num_seqs, c.max_model_len, self.block_size, self.batch.eos_token_ids)
 
     def shutdown(self) -> None:
         self.graphs = None

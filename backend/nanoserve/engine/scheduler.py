@@ -229,6 +229,14 @@ class Scheduler:
         self._new_token_ids = sampled_token_ids
         return SampledSeqs(seqs, num_tokens[samples], max_num_tokens[samples])
 
+    def reset_batch(self) -> None:
+        """The runners start again from an empty batch (after a failed step): every running sequence is
+        preempted by recompute (back to waiting, in order) and the diffs not sent yet are dropped."""
+        out = SchedulerOutput()
+        while self.running:
+            self._preempt(self.running[-1], out)
+        self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+
     def num_computed_tokens(self, seq: Sequence) -> int:
         """Tokens of seq whose KV is in the cache (0 unless it is running)."""
         return int(self.columns[0, self.running.index(seq)]) if seq.status is SequenceStatus.RUNNING else 0
