@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoserve.engine.block_manager import divmod_block
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata, step_seed
 from nanoserve.sampling_params import SamplingParams
@@ -45,14 +46,6 @@ def _features(params: SamplingParams) -> list[str]:
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
     return [name for name in FEATURES if used[name]]
-
-
-def divmod_block(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(positions // block_size, positions % block_size), by shift and mask when block_size is a power of two (the
-    usual case): numpy's integer division is several times slower."""
-    if block_size & (block_size - 1):
-        return np.divmod(positions, block_size)
-    return positions >> (block_size.bit_length() - 1), positions & (block_size - 1)
 
 
 class InputBatch:
@@ -151,11 +144,12 @@ class InputBatch:
             counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
         num_rows = len(counts)
         if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
+            ends = np.arange(1, num_rows + 1)
             query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
-            positions, token_slots, ends, max_query_len = computed, slots, query_start_loc[1:], min(num_rows, 1)
+            positions, token_slots, max_query_len = computed, slots, min(num_rows, 1)
         else:
             query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
-            query_start_loc[1:] = ends = counts.cumsum()
+            query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
             assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
             positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
             token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
@@ -175,7 +169,7 @@ class InputBatch:
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions, slot_mapping,
                           query_start_loc, seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          logits_indices.astype(np.int64), max_query_len, max_seq_len)
+                          logits_indices, max_query_len, max_seq_len)
 
     def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
         """The sampling parameters of the step's sampling rows, in order."""

@@ -17,11 +17,12 @@ from itertools import compress
 
 import numpy as np
 
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.block_manager import BlockManager, divmod_block
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_SAMPLES = np.zeros(0, dtype=bool)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [])
+        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [], _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
         counts, num_batched = self._schedule_running(out)
         if self.waiting and not out.preempted_ids:
@@ -222,12 +223,14 @@ class Scheduler:
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
-            filled = computed % self.block_size < counts  # the rows that filled a block
+            filled = divmod_block(computed, self.block_size)[1] < counts  # the rows that filled a block
             for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
                 self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
         self._new_token_ids = sampled_token_ids
-        return SampledSeqs(seqs, num_tokens[samples], max_num_tokens[samples])
+        if len(seqs) < len(running):
+            num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
+        return SampledSeqs(seqs, num_tokens, max_num_tokens)
 
     def reset_batch(self) -> None:
         """The runners start again from an empty batch (after a failed step): every running sequence is
