@@ -2,9 +2,10 @@
 from each SchedulerOutput's diffs. A step's input arrays and sampling metadata are gathered from it with numpy,
 never rebuilt from Python objects.
 
-A row's fixed-width data (its token ids, its block table, its sampling parameters) sits in a slot that the
-sequence keeps while it runs; `slots[row]` maps rows onto slots, so when a row leaves, the rows after it move
-up without moving their tables."""
+A row's fixed-width data (its token ids, its block table and the KV cache slot of each of its positions, its
+sampling parameters) sits in a slot that the sequence keeps while it runs; `slots[row]` maps rows onto slots,
+so when a row leaves, the rows after it move up without moving their tables. A step's token ids and KV slots
+are then one `take` each from the flat tables, at index slot * max_model_len + position."""
 from __future__ import annotations
 
 import math
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanoserve.engine.block_manager import divmod_block
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata, step_seed
 from nanoserve.sampling_params import SamplingParams
@@ -60,9 +60,12 @@ class InputBatch:
         self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
         self._flat_token_ids = self.token_ids.ravel()
+        # the KV cache slot of every position a row's blocks cover (block_id * block_size + offset)
+        self.kv_slots = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self._flat_kv_slots = self.kv_slots.ravel()
+        self._row_start = np.arange(max_num_seqs, dtype=np.int64) * max_model_len  # per slot: its flat index 0
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
-        self._flat_block_tables = self.block_tables.ravel()
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
         self.temperature = np.ones(max_num_seqs, dtype=np.float32)
@@ -89,20 +92,16 @@ class InputBatch:
         if out.new_seqs:
             self.slots = np.concatenate([self.slots, [self._add(new) for new in out.new_seqs]]).astype(np.int64)
         for row, block_ids in out.new_block_ids:
-            slot = self.slots[row]
-            start = self.num_blocks[slot]
-            self.block_tables[slot, start:start + len(block_ids)] = block_ids
-            self.num_blocks[slot] += len(block_ids)
+            self._append_blocks(int(self.slots[row]), block_ids)
         assert len(self.req_ids) == out.num_rows, "the batch's rows do not match the scheduler's"
 
     def _add(self, new: NewSequence) -> int:
         slot = self._free_slots.pop()
         self.req_ids.append(new.request_id)
-        num_blocks = len(new.block_ids)
         self.token_ids[slot, :len(new.token_ids)] = new.token_ids
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
-        self.block_tables[slot, :num_blocks] = new.block_ids
-        self.num_blocks[slot] = num_blocks
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, new.block_ids)
         params = self.params[slot] = new.sampling_params
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k if params.top_k > 0 else _NO_TOP_K
@@ -116,6 +115,14 @@ class InputBatch:
         for name, counter in self.values.items():
             counter[getattr(self, name)[slot].item()] += 1
         return slot
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start, end = int(self.num_blocks[slot]), int(self.num_blocks[slot]) + len(block_ids)
+        self.block_tables[slot, start:end] = block_ids
+        first = np.asarray(block_ids, dtype=np.int32)[:, None] * self.block_size  # each block's first KV slot
+        positions = self.kv_slots[slot, start * self.block_size:end * self.block_size]
+        positions[:] = (first + np.arange(self.block_size, dtype=np.int32)).ravel()[:len(positions)]
+        self.num_blocks[slot] = end
 
     def _remove(self, request_ids: list[str]) -> None:
         rows = [self.req_ids.index(request_id) for request_id in request_ids]
@@ -153,12 +160,7 @@ class InputBatch:
             assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
             positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
             token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
-        block_index, offsets = divmod_block(positions, self.block_size)
-        slot_mapping = self._flat_block_tables.take(token_slots * self.block_tables.shape[1] + block_index).astype(
-            np.int64)
-        slot_mapping *= self.block_size
-        slot_mapping += offsets
-        token_index = token_slots * self.token_ids.shape[1] + positions
+        token_index = self._row_start[token_slots] + positions
         seq_lens = computed + counts
         max_seq_len = int(seq_lens.max()) if num_rows else 0
         self.sampling_slots, self.sampling_lengths, sampling_ends = slots, seq_lens, ends
@@ -166,8 +168,9 @@ class InputBatch:
             self.sampling_slots, self.sampling_lengths, sampling_ends = slots[samples], seq_lens[samples], ends[samples]
         logits_indices = sampling_ends - 1
         self._next_token_index = token_index[logits_indices] + 1
-        return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions, slot_mapping,
-                          query_start_loc, seq_lens.astype(np.int32),
+        return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
+                          self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
+                          seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
                           logits_indices, max_query_len, max_seq_len)
 
