@@ -40,10 +40,6 @@ def pick_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", first + rank)
 
 
-def _host(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.numpy() if tensor.device.type == "cpu" else tensor.cpu().numpy()
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -185,7 +181,9 @@ class ModelRunner:
         sampled = self.sampler(logits, meta)
         top = {} if sampled.top_logprobs is None else dict(
             zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
-        return RunnerOutput(_host(sampled.token_ids), _host(sampled.sampled_logprobs), top)
+        if self.device.type == "cpu":
+            return RunnerOutput(sampled.token_ids.numpy(), sampled.sampled_logprobs.numpy(), top)
+        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""

@@ -94,19 +94,19 @@ class OutputProcessor:
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
         if len(self.watched) == len(requests):  # every request is looked at (streamed, say)
-            rows = range(len(seqs))
+            rows, states = range(len(seqs)), list(map(requests.__getitem__, map(_request_id, seqs)))
         else:
             looked_at = stopping
             if self.watched:
                 looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
             rows = looked_at.nonzero()[0].tolist()
+            states = {row: requests[seqs[row].request_id] for row in rows}
         if not rows:
             return []
         token_ids, logprobs, stopping, finished = sampled.token_ids.tolist(), sampled.logprobs.tolist(), \
             stopping.tolist(), []
         for row in rows:
-            seq, token_id = seqs[row], token_ids[row]
-            state = requests[seq.request_id]
+            seq, token_id, state = seqs[row], token_ids[row], states[row]
             new_logprobs = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprobs[row]
