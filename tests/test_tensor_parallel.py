@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU (gloo): tp=2 gives the logits of tp=1, and shutdown leaves no process behind."""
+"""Tensor parallelism on CPU (gloo): tp=2 gives the logits of tp=1, the engine over two ranks HF's tokens, and
+shutdown leaves no process behind."""
 from __future__ import annotations
 
 import multiprocessing
