@@ -24,11 +24,14 @@ BACKEND_MODEL = Path(__file__).resolve().parents[1] / "backend" / "model.py"
 
 
 @contextlib.contextmanager
-def triton(tmp_dir, checkpoint, models, plain_python=(), **engine_args):
+def triton(tmp_dir, checkpoint, models, plain_python=(), parameters=None, **engine_args):
     """A tritonserver serving `models` of the repo's model_repository/ template, pointed at checkpoint. On exit
     it checks that SIGTERM shut the server down cleanly (every FINAL sent, stubs gone, no shared memory left).
-    plain_python: models switched to the documented `backend: "python"` form (backend/model.py copied in)."""
+    plain_python: models switched to the documented `backend: "python"` form (backend/model.py copied in).
+    parameters: config.pbtxt parameters added to every model."""
     repo = tiny_repository(tmp_dir / "model_repository", checkpoint, models, **engine_args)
+    for name in models:
+        add_parameters(repo / name / "config.pbtxt", parameters or {})
     for name in plain_python:
         config = repo / name / "config.pbtxt"
         config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
@@ -39,6 +42,11 @@ def triton(tmp_dir, checkpoint, models, plain_python=(), **engine_args):
         code = server.process.wait(60)
         assert code == 0, f"tritonserver exited with {code}:\n{server.log_tail()}"
         assert_nothing_left(server)
+
+
+def add_parameters(config_pbtxt: Path, parameters: dict) -> None:
+    lines = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in parameters.items())
+    config_pbtxt.write_text(config_pbtxt.read_text() + lines)
 
 
 # ---- gRPC streaming ---------------------------------------------------------------------------------------
@@ -94,12 +102,13 @@ def stream(server, model: str, parameters: dict | None = None, first_response: t
         client.close()
 
 
-def open_stream(server, model: str, parameters: dict | None = None, **inputs):
+def open_stream(server, model: str, parameters: dict | None = None, request_id: str = "", **inputs):
     """Send one request on a new gRPC stream: (client, queue of (result, error)). Close the client after."""
     client = grpcclient.InferenceServerClient(server.url_grpc)
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
+    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, request_id=request_id,
+                              enable_empty_final_response=True)
     return client, events
 
 
@@ -142,20 +151,21 @@ def is_ready(server) -> bool:
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+_SAMPLE = re.compile(r'^([\w:]+)(?:\{(.*)\})? (\S+)$')
 
 
-def metrics(server, model: str) -> dict:
-    """nanoserve_* samples of one model: {"name": value} or {"name{reason=x}": value} (model/version dropped)."""
+def metrics(server, model: str, prefix: str = "nanoserve_") -> dict:
+    """The samples of one model whose names start with prefix: {"name": value} or {"name{reason=x}": value}
+    (labels model, version and model_name dropped)."""
     with urllib.request.urlopen(server.url_metrics, timeout=10) as response:
         text = response.read().decode()
     samples = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if not match or not match.group(1).startswith("nanoserve_"):
+        if not match or not match.group(1).startswith(prefix):
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if labels.pop("model", None) != model:
+        if labels.pop("model", None) != model or labels.pop("model_name", model) != model:
             continue
         labels.pop("version", None)
         key = match.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")

@@ -3,12 +3,10 @@ min_tokens and logprobs. The per-row metadata comes from the InputBatch, as in t
 import math
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
+from sampling_metadata import metadata as batch_metadata
 
-from nanoserve.engine.input_batch import InputBatch
-from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.sampler import Sampler, apply_top_k_top_p, argmax, sample_inverse_cdf, step_seed
 from nanoserve.sampling_params import SamplingParams
@@ -23,17 +21,7 @@ def make_seq(prompt=(5, 6, 7), output=(), request_id="r", **params) -> Sequence:
 
 
 def metadata(seqs, eos=EOS):
-    """The SamplingMetadata an InputBatch holding seqs (each sampling its next token) gives the sampler."""
-    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
-    batch = InputBatch(max(len(seqs), 1), 64, 16, eos_ids)
-    out = SchedulerOutput(new_seqs=[NewSequence(seq.request_id, seq.token_ids, seq.num_prompt_tokens,
-                                                seq.sampling_params, []) for seq in seqs],
-                          num_computed_tokens=np.zeros(len(seqs), np.int64),
-                          num_scheduled_tokens=np.array([seq.num_tokens for seq in seqs], np.int64),
-                          samples=np.ones(len(seqs), bool), num_batched_tokens=sum(seq.num_tokens for seq in seqs))
-    batch.update(out)
-    batch.prepare(out)
-    return batch.sampling_metadata(torch.device("cpu"))
+    return batch_metadata(seqs, eos)
 
 
 def sample(logits, seqs, sampler=None, eos=EOS):
@@ -42,13 +30,13 @@ def sample(logits, seqs, sampler=None, eos=EOS):
     meta = metadata(seqs, eos)
     out = (sampler or Sampler())(logits, meta)
     token_ids, logprobs = out.token_ids.tolist(), out.sampled_logprobs.tolist()
-    top = [None] * len(seqs)
+    top, ranks = [None] * len(seqs), [None] * len(seqs)
     for i, row in enumerate(meta.logprob_rows):
         n = seqs[row].sampling_params.logprobs
         entry = dict(zip(out.top_token_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist())) if n else {}
         entry[token_ids[row]] = logprobs[row]
-        top[row] = entry
-    return SimpleNamespace(token_ids=token_ids, sampled_logprobs=logprobs, top_logprobs=top)
+        top[row], ranks[row] = entry, int(out.sampled_ranks[i])
+    return SimpleNamespace(token_ids=token_ids, sampled_logprobs=logprobs, top_logprobs=top, sampled_ranks=ranks)
 
 
 def random_logits(rows, vocab, seed=0, scale=3.0):
@@ -232,8 +220,28 @@ def test_unseeded_rows_follow_the_sampler_seed():
 
 def test_step_seed_is_distinct():
     values = {step_seed(seed, step) for seed in range(50) for step in range(50)}
-    assert len(values) == 2500 and all(0 <= v < 2 ** 63 for v in values)
-    assert step_seed(2 ** 64 + 5, 3) < 2 ** 63  # huge user seeds still fit a generator
+    assert len(values) == 2500 and all(0 <= v < 2 ** 64 for v in values)
+    assert 0 <= step_seed(2 ** 64 - 1, 2 ** 20) < 2 ** 64  # the largest seed still fits a generator
+
+
+def test_seeds_that_differ_only_in_high_bits_give_different_streams():
+    """torch's CPU generator keeps only the low 32 bits of its seed: seeds 2**32 or 2**63 apart must not alias."""
+    logits = random_logits(1, 1000, seed=11, scale=0.1)
+
+    def stream(seed):
+        return [sample(logits, [make_seq(output=[4] * step, seed=seed)]).token_ids[0] for step in range(8)]
+
+    streams = {tuple(stream(seed)) for seed in (5, 5 + 2 ** 32, 5 + 2 ** 63, 2 ** 64 - 1)}
+    assert len(streams) == 4
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    logits = random_logits(1, 50, seed=12).repeat(2, 1)
+    seqs = [make_seq(top_k=2 ** 63 - 1, seed=3, request_id="a"), make_seq(top_k=-1, seed=3, request_id="b")]
+    meta = metadata(seqs, EOS)
+    assert meta.top_ks is None and meta.max_top_k is None
+    out = Sampler()(logits, meta)
+    assert out.token_ids[0] == out.token_ids[1]  # same seed, same logits: the huge top-k filtered nothing
 
 
 # ---- penalties, min_tokens -------------------------------------------------------------------------------
@@ -320,10 +328,11 @@ def test_logprobs_are_log_softmax_and_top_n_are_the_largest():
         token = out.token_ids[i]
         assert out.sampled_logprobs[i] == pytest.approx(reference[token], abs=1e-5)
         if n is None:
-            assert out.top_logprobs[i] is None
+            assert out.top_logprobs[i] is None and out.sampled_ranks[i] is None
             continue
         largest = sorted(range(40), key=lambda t: -reference[t])[:n]
         assert set(out.top_logprobs[i]) == set(largest) | {token}
+        assert out.sampled_ranks[i] == sum(value >= reference[token] for value in reference)  # vLLM's rank
         for t, value in out.top_logprobs[i].items():
             assert value == pytest.approx(reference[t], abs=1e-5)
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
-from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata, step_seed
+from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata
 from nanoserve.sampling_params import SamplingParams
 
 _NO_TOP_K = 1 << 30
@@ -214,9 +214,9 @@ class InputBatch:
             meta.log_min_ps = self._column("log_min_p", slots, device)
         if uses["seed"]:
             num_output = (self.sampling_lengths - self.num_prompt_tokens[slots]).tolist()
-            meta.seeded = [(row, step_seed(self.params[slot].seed, num_output[row]))
-                           for row, slot in enumerate(slots.tolist())
-                           if self.params[slot].seed is not None and not greedy[row]]
+            seeded = [(row, self.params[slot].seed) for row, slot in enumerate(slots.tolist())
+                      if self.params[slot].seed is not None and not greedy[row]]
+            meta.seeds, meta.seed_steps = seeded, [num_output[row] for row, _ in seeded]
 
     def _column(self, name: str, slots: np.ndarray, device) -> float | int | torch.Tensor:
         """A sampling parameter of the rows in slots: a number when the whole batch agrees, else [N, 1]."""

@@ -16,7 +16,7 @@ from nanoserve.engine.executor import Executor
 from nanoserve.engine.output_processor import OutputProcessor, RequestOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -34,6 +34,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, config.max_model_len)  # longer texts cannot fit
         eos = eos_token_ids(config, self.tokenizer)
         self.executor = Executor(config, eos)
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.kvcache_block_size,
@@ -56,6 +57,7 @@ class LLMEngine:
         RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
@@ -67,7 +69,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return encode_prompt_text(self.tokenizer, prompt)
+            return encode_prompt_text(self.tokenizer, prompt, self.max_prompt_bytes)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("prompt: expected a string or a list of token ids")
         self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks
@@ -94,16 +96,39 @@ class LLMEngine:
         for request_id in request_ids:
             self.abort_request(request_id)
         self.pending_outputs.clear()
-        self.scheduler.reset_batch()
-        self.executor.call("reset_batch")
+        self._reset_batch()
         return request_ids
+
+    def fail_and_recover(self, request_ids) -> list[str]:
+        """After step() raised: drop the requests in request_ids (the suspects: those admitted or changed since
+        the last step that succeeded; their blocks are freed and no output comes for them) and preempt every
+        other running request by recompute (blocks freed, back to waiting, its tokens kept), so step() can be
+        retried without the suspects. Returns the ids dropped (the caller fails them).
+        The retry repeats the failed step for the others when it failed before its results were applied
+        (scheduling, the forward pass, sampling): seeded and greedy requests then get the same tokens."""
+        dropped = [request_id for request_id in request_ids if self.output_processor.abort(request_id) is not None]
+        for request_id in dropped:
+            self.scheduler.abort(request_id)
+        self._reset_batch()
+        # a request the failed step finished before it raised is gone from the output processor: it leaves too
+        for request_id in self.scheduler.waiting_ids() - set(self.output_processor.requests):
+            self.scheduler.abort(request_id)
+        return dropped
+
+    def _reset_batch(self) -> None:
+        """Every running request back to waiting and the runners' batches empty: the scheduler and the runners
+        agree again whatever part of a step failed."""
+        self.scheduler.preempt_all()
+        self.executor.call("reset_batch")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests) or bool(self.pending_outputs)
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self.pending_outputs = self.pending_outputs, []
+        """The abort notices queued since the last step, then this step's outputs. The notices are taken only
+        once the step has succeeded: a step that raises loses none of them."""
+        outputs: list[RequestOutput] = []
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         sampled = self.executor.execute(scheduled)
@@ -113,6 +138,7 @@ class LLMEngine:
         self.num_generation_tokens += len(sampled_seqs.seqs)
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
+        outputs, self.pending_outputs = self.pending_outputs + outputs, []
         return outputs
 
     # ---- introspection --------------------------------------------------------------------------

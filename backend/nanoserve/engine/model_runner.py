@@ -25,8 +25,9 @@ class RunnerOutput:
     """What a step sampled, one entry per sampling row in row order (host data)."""
     token_ids: np.ndarray  # [N] int64
     logprobs: np.ndarray  # [N] float32: log-softmax of the (penalized) logits at the sampled token
-    top_logprobs: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # row -> the most
-    # likely token ids and their logprobs, largest first, for rows whose request asks for logprobs
+    # for the rows whose request asks for logprobs: row -> (the most likely token ids and their logprobs, largest
+    # first; the sampled token's rank)
+    top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
 
 
 def pick_device(config: EngineConfig, rank: int) -> torch.device:
@@ -179,8 +180,14 @@ class ModelRunner:
         """The next tokens of the rows the last prepared step samples, from their logits."""
         meta = self.batch.sampling_metadata(self.device)
         sampled = self.sampler(logits, meta)
-        top = {} if sampled.top_logprobs is None else dict(
-            zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist())))
+        top = {}
+        if meta.logprob_rows:
+            ranks = sampled.sampled_ranks.tolist()
+            if sampled.top_logprobs is None:  # only logprobs=0: no top tokens
+                top = {row: ([], [], rank) for row, rank in zip(meta.logprob_rows, ranks)}
+            else:
+                top = dict(zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist(),
+                                                      ranks)))
         if self.device.type == "cpu":
             return RunnerOutput(sampled.token_ids.numpy(), sampled.sampled_logprobs.numpy(), top)
         return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)

@@ -31,11 +31,12 @@ class RequestOutput:
     cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
 
 
 class RequestState:
     __slots__ = ("seq", "detokenizer", "stream", "stop_token_ids", "wants_logprobs", "needs_text", "watched",
-                 "logprobs", "cumulative_logprob")
+                 "logprobs", "logprob_ranks", "cumulative_logprob")
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, stream: bool):
         self.seq, self.detokenizer, self.stream = seq, detokenizer, stream
@@ -45,6 +46,7 @@ class RequestState:
         self.needs_text = stream or bool(detokenizer.stop)  # detokenized at every step
         self.watched = self.needs_text or self.wants_logprobs  # looked at every step, not only near a stop
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
+        self.logprob_ranks: list[int] = []  # per generated token: its rank in the vocabulary
         self.cumulative_logprob = 0.0  # summed only while watched
 
 
@@ -107,11 +109,12 @@ class OutputProcessor:
             stopping.tolist(), []
         for row in rows:
             seq, token_id, state = seqs[row], token_ids[row], states[row]
-            new_logprobs = []
+            new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprobs[row]
                 if state.wants_logprobs:
-                    new_logprobs = [self._logprob_entry(state, token_id, logprobs[row], sampled.top_logprobs.get(row))]
+                    new_logprobs, new_ranks = self._logprob_entry(state, token_id, logprobs[row],
+                                                                  sampled.top_logprobs[row])
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
             reason = None
@@ -128,17 +131,20 @@ class OutputProcessor:
             if state.stream:
                 outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
                                              seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
-                                             state.cumulative_logprob, new_logprobs, seq.num_cached_tokens))
+                                             state.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
+                                             new_ranks))
         return finished
 
     @staticmethod
-    def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> dict[int, float]:
-        """{token_id: logprob} of the request's top-n tokens and the sampled one."""
+    def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> tuple[list[dict], list[int]]:
+        """[{token_id: logprob} of the request's top-n tokens and the sampled one], [the sampled token's rank]."""
         count = state.seq.sampling_params.logprobs
-        entry = dict(zip(top[0][:count], top[1][:count])) if top is not None else {}
+        top_ids, top_logprobs, rank = top
+        entry = dict(zip(top_ids[:count], top_logprobs[:count]))
         entry[token_id] = logprob
         state.logprobs.append(entry)
-        return entry
+        state.logprob_ranks.append(rank)
+        return [entry], [rank]
 
     def _finish_reason(self, state: RequestState, token_id: int) -> str | None:
         seq = state.seq
@@ -168,4 +174,4 @@ class OutputProcessor:
         return RequestOutput(seq.request_id, seq.output_token_ids, detokenizer.text, True, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens,
                              state.cumulative_logprob if state.watched else None, list(state.logprobs),
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, list(state.logprob_ranks))

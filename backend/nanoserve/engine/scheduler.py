@@ -232,13 +232,16 @@ class Scheduler:
             num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
         return SampledSeqs(seqs, num_tokens, max_num_tokens)
 
-    def reset_batch(self) -> None:
-        """The runners start again from an empty batch (after a failed step): every running sequence is
-        preempted by recompute (back to waiting, in order) and the diffs not sent yet are dropped."""
+    def preempt_all(self) -> None:
+        """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order, and
+        drop the diffs not sent yet: the runners start again from an empty batch (after a failed step)."""
         out = SchedulerOutput()
         while self.running:
             self._preempt(self.running[-1], out)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+
+    def waiting_ids(self) -> set[str]:
+        return {seq.request_id for seq in self.waiting}
 
     def num_computed_tokens(self, seq: Sequence) -> int:
         """Tokens of seq whose KV is in the cache (0 unless it is running)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T can overflow float32: treat the row as greedy
-_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 Scalar = float | int
 
 
@@ -56,7 +56,8 @@ class SamplingMetadata:
     max_top_k: int | None = None  # the largest top-k when every sampled row sets one: only that many candidates
     top_ps: Scalar | torch.Tensor | None = None  # +inf where top-p is off
     log_min_ps: Scalar | torch.Tensor | None = None  # -inf where min-p is off
-    seeded: list[tuple[int, int]] = field(default_factory=list)  # (row, generator seed for this step)
+    seeds: list[tuple[int, int]] = field(default_factory=list)  # (row, seed in [0, 2**64)) of seeded sampled rows
+    seed_steps: list[int] = field(default_factory=list)  # per seeds entry: how many tokens the row has generated
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked, e.g. by min_tokens
     logprob_rows: list[int] = field(default_factory=list)  # rows that want top logprobs
@@ -71,6 +72,9 @@ class SamplerOutput:
     sampled_logprobs: torch.Tensor
     top_logprobs: torch.Tensor | None = None  # [len(logprob_rows), max_logprobs] float32
     top_token_ids: torch.Tensor | None = None  # [len(logprob_rows), max_logprobs] int64
+    # [len(logprob_rows)] int64: the sampled token's rank, 1 + the tokens with a larger logprob (ties count as
+    # larger, as in vLLM)
+    sampled_ranks: torch.Tensor | None = None
 
 
 class Sampler:
@@ -98,10 +102,13 @@ class Sampler:
             token_ids = self._sample(logits, shifted, weights, meta)
         sampled_logprobs = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1).sub_(log_norm)
         out = SamplerOutput(token_ids, sampled_logprobs)
-        if meta.logprob_rows and meta.max_logprobs > 0:
+        if meta.logprob_rows:
             rows = torch.tensor(meta.logprob_rows, device=logits.device)
-            top = (logits[rows] - log_norm[rows].unsqueeze(1)).topk(min(meta.max_logprobs, logits.shape[1]), dim=-1)
-            out.top_logprobs, out.top_token_ids = top.values, top.indices
+            row_logits = logits[rows]
+            out.sampled_ranks = (row_logits >= row_logits.gather(1, token_ids[rows].unsqueeze(1))).sum(dim=-1)
+            if meta.max_logprobs > 0:
+                top = (row_logits - log_norm[rows].unsqueeze(1)).topk(min(meta.max_logprobs, logits.shape[1]), dim=-1)
+                out.top_logprobs, out.top_token_ids = top.values, top.indices
         return out
 
     def _sample(self, logits: torch.Tensor, shifted: torch.Tensor, weights: torch.Tensor,
@@ -114,7 +121,7 @@ class Sampler:
             scaled, reweighted = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps, meta.max_top_k), True
         if meta.log_min_ps is not None:
             scaled, reweighted = apply_min_p(scaled, meta.log_min_ps), True
-        if len(meta.seeded) < meta.num_rows:
+        if len(meta.seeds) < meta.num_rows:
             if reweighted:
                 weights = torch.exp(scaled, out=weights)
             uniforms = torch.rand((meta.num_rows, 1), generator=self._generator(
@@ -122,9 +129,10 @@ class Sampler:
             sampled = sample_inverse_cdf(weights, uniforms)
         else:
             sampled = torch.empty(meta.num_rows, dtype=torch.long, device=logits.device)
-        if meta.seeded:
-            rows = torch.tensor([row for row, _ in meta.seeded], device=logits.device)
-            sampled[rows] = self._seeded_race(scaled[rows], [seed for _, seed in meta.seeded])
+        if meta.seeds:
+            rows = torch.tensor([row for row, _ in meta.seeds], device=logits.device)
+            seeds = [step_seed(seed, step) for (_, seed), step in zip(meta.seeds, meta.seed_steps)]
+            sampled[rows] = self._seeded_race(scaled[rows], seeds)
         if meta.greedy is not None:
             sampled = torch.where(meta.greedy, argmax(logits), sampled)
         return sampled
@@ -205,9 +213,15 @@ def apply_min_p(logits: torch.Tensor, log_min_ps: Scalar | torch.Tensor) -> torc
 
 
 def step_seed(seed: int, step: int) -> int:
-    """Generator seed for one seeded row at one output position. The multiplier is odd, so distinct seeds map
-    to distinct, far-apart values; the generator's own seeding scrambles them further."""
-    return (seed * 0x9E3779B97F4A7C15 + step) & _MASK63
+    """Generator seed for one seeded row (seed in [0, 2**64)) at one output position: splitmix64's mix of
+    seed + step * golden-ratio constant, a bijection on 64 bits, so every bit of the seed matters. torch's CPU
+    generator keeps only the low 32 bits of its seed (Philox on CUDA keeps all 64), so the high half is folded
+    into the low one: seeds that differ only above bit 32 (or 63) still get different streams."""
+    x = (seed + step * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x ^ (x >> 32)
 
 
 def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
