@@ -1,5 +1,6 @@
 """The text model in a real tritonserver: streamed and non-streamed text against the offline engine, HTTP
 generate, optional outputs, validation errors, cancellation. One server for the module."""
+import contextlib
 import json
 import socket
 import subprocess
@@ -215,10 +216,19 @@ def vanishing_http_client(server):
     """A /generate_stream connection closed after its first event."""
     host, port = server.url_http.split(":")
     connection = socket.create_connection((host, int(port)), timeout=60)
-    body = json.dumps({"text_input": "Hi", "parameters": {"stream": True, "ignore_eos": True}}).encode()
-    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: %d\r\n\r\n%s" % (MODEL.encode(), host.encode(), len(body), body))
-    assert b"data:" in connection.recv(65536)
+    # Closed on any failure here too: a connection left open would hold tritonserver's shutdown to its timeout.
+    with contextlib.ExitStack() as on_failure:
+        on_failure.callback(connection.close)
+        body = json.dumps({"text_input": "Hi", "parameters": {"stream": True, "ignore_eos": True}}).encode()
+        connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (MODEL.encode(), host.encode(), len(body), body))
+        received = b""
+        while b"data:" not in received:  # the headers and the first event may arrive in separate segments
+            chunk = connection.recv(65536)
+            assert chunk, f"the server closed the stream before its first event: {received!r}"
+            received += chunk
+        on_failure.pop_all()
     return connection.close
 
 

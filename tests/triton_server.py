@@ -119,7 +119,8 @@ def nanoserve_serve(model, log_dir, *flags, timeout: float = LOAD_TIMEOUT):
     log_file = Path(log_dir) / "tritonserver.log"
     cmd = [sys.executable, "-m", "nanoserve.cli", "serve", str(model), "--http-port", str(http), "--grpc-port",
            str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai), "--log-file", str(log_file),
-           "--device", "cpu", "--cpu-kvcache-space-gib", str(TEST_ENGINE_ARGS["cpu_kvcache_space_gib"]), *flags]
+           "--device", "cpu", "--cpu-kvcache-space-gib", str(TEST_ENGINE_ARGS["cpu_kvcache_space_gib"]),
+           "--exit-timeout-secs", "30", *flags]  # 30: stubs unload slowly on a busy machine; flags may override it
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     served = Served(process, http, grpc, metrics, openai)
     lines: queue.Queue = queue.Queue()
