@@ -8,6 +8,7 @@ import torch
 from sampling_metadata import metadata as batch_metadata
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.sampler import Sampler, apply_top_k_top_p, argmax, sample_inverse_cdf, step_seed
 from nanoserve.sampling_params import SamplingParams
 
@@ -20,14 +21,14 @@ def make_seq(prompt=(5, 6, 7), output=(), request_id="r", **params) -> Sequence:
     return seq
 
 
-def metadata(seqs, eos=EOS):
-    return batch_metadata(seqs, eos)
+def metadata(seqs, eos=EOS, bitmask=None):
+    return batch_metadata(seqs, eos, bitmask)
 
 
-def sample(logits, seqs, sampler=None, eos=EOS):
+def sample(logits, seqs, sampler=None, eos=EOS, bitmask=None):
     """Sample, then read the tensors as the engine does: token ids, sampled logprobs, and per row that asks for
     them, the top-n logprobs with the sampled token's."""
-    meta = metadata(seqs, eos)
+    meta = metadata(seqs, eos, bitmask)
     out = (sampler or Sampler())(logits, meta)
     token_ids, logprobs = out.token_ids.tolist(), out.sampled_logprobs.tolist()
     top, ranks = [None] * len(seqs), [None] * len(seqs)
@@ -428,3 +429,33 @@ def test_max_top_k_only_when_every_sampled_row_sets_top_k():
     assert meta(dict(top_k=5), dict(top_k=20)).max_top_k == 20
     assert meta(dict(top_k=5), dict(top_k=-1)).max_top_k is None
     assert meta(dict(top_k=5), dict(top_k=-1, temperature=0.0)).max_top_k == 5  # a greedy row ignores filters
+
+
+# ---- structured outputs -----------------------------------------------------------------------------------
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool -> [N, ceil(V / 32)] int32, bit j % 32 of word j // 32 set where token j is allowed."""
+    words = []
+    for row in allowed.tolist():
+        values = [sum(1 << bit for bit, ok in enumerate(row[start:start + 32]) if ok)
+                  for start in range(0, len(row), 32)]
+        words.append([value - (1 << 32) if value >= 1 << 31 else value for value in values])
+    return torch.tensor(words, dtype=torch.int32)
+
+
+def test_token_bitmask_confines_its_rows_and_no_other():
+    vocab, rows = 100, [1, 3, 4]  # 100: the last word is partly past the vocabulary
+    logits = random_logits(6, vocab, seed=21, scale=1.0)
+    allowed = torch.rand(6, vocab, generator=torch.Generator().manual_seed(22)) < 0.1
+    allowed[:, 7] = True  # every row allows something
+    seqs = [make_seq(temperature=0.0 if row in (3, 5) else 1.0, request_id=str(row)) for row in range(6)]
+    for seed in range(20):
+        masked = sample(logits, seqs, Sampler(seed), bitmask=TokenBitmask(pack_bitmask(allowed), rows))
+        plain = sample(logits, seqs, Sampler(seed))
+        for row, token_id in enumerate(masked.token_ids):
+            if row not in rows:
+                assert token_id == plain.token_ids[row]
+            elif row == 3:
+                assert token_id == int(logits[row].masked_fill(~allowed[row], -math.inf).argmax())
+            else:
+                assert allowed[row, token_id]

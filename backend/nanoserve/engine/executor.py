@@ -17,6 +17,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, init_tp
 from nanoserve.engine.model_runner import ModelRunner, RunnerOutput, pick_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.thread_names import set_os_thread_name
 
 
@@ -38,19 +39,22 @@ class Executor:
             self.shutdown()
             raise
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        if self.conns:
-            return self.call("execute", out)
-        return self.runner.execute(out)
+    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput:
+        """One step on every rank; the bitmask of structured outputs only to rank 0, which samples."""
+        self._send_workers("execute", (out,))
+        return self.runner.execute(out, bitmask)
 
     def call(self, method: str, *args):
         """Run runner.<method>(*args) on every rank; returns rank 0's result."""
+        self._send_workers(method, args)
+        return getattr(self.runner, method)(*args)
+
+    def _send_workers(self, method: str, args: tuple) -> None:
         for rank, conn in enumerate(self.conns, start=1):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 raise RuntimeError(f"tensor-parallel rank {rank} has exited") from None
-        return getattr(self.runner, method)(*args)
 
     def _start_workers(self, config: EngineConfig, eos_token_ids, port: int, timeout: float = 600.0) -> None:
         """Spawn ranks 1.., and wait until each has started (imports done), so that a worker that dies early is

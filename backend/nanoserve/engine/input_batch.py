@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata
 from nanoserve.sampling_params import SamplingParams
 
@@ -174,8 +175,9 @@ class InputBatch:
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
                           logits_indices, max_query_len, max_seq_len)
 
-    def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
-        """The sampling parameters of the step's sampling rows, in order."""
+    def sampling_metadata(self, device: torch.device, bitmask: TokenBitmask | None = None) -> SamplingMetadata:
+        """The sampling parameters of the step's sampling rows, in order; bitmask: the tokens allowed to the rows
+        with structured outputs (built by the engine, whose matchers follow the grammars)."""
         slots, uses = self.sampling_slots, self.num_rows_using
         greedy = None  # per row, when the batch mixes greedy and sampled rows
         if 0 < uses["greedy"] < len(self):
@@ -192,6 +194,8 @@ class InputBatch:
             counts = self.num_logprobs[slots]
             meta.logprob_rows = np.flatnonzero(counts >= 0).tolist()
             meta.max_logprobs = int(counts.max(initial=0))
+        if bitmask is not None:
+            meta.token_bitmask = (_tensor(bitmask.bitmask.numpy(), device), bitmask.rows)
         return meta
 
     def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:

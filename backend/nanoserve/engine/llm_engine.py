@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import compress
 
 from transformers import AutoTokenizer, GenerationConfig
+from xgrammar import CompiledGrammar
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.output_processor import OutputProcessor, RequestOutput
 from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.structured_output import Grammar, StructuredOutputManager, TokenBitmask
 from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
 
@@ -42,6 +46,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer, eos, config.hf_config.vocab_size)
         self.vocab_size = config.hf_config.vocab_size
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.pending_outputs: list[RequestOutput] = []  # abort notices, emitted by the next step()
         self.last_step = StepStats()
         self.num_generation_tokens = 0
@@ -52,9 +57,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
-                    stream: bool = True) -> None:
+                    stream: bool = True, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request. Raises ValueError (message starting with the field) for bad input. stream=True: a
-        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
+        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them.
+        grammar: the request's structured_outputs compiled already (compile_grammar, on another thread);
+        compiled here when not given."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
@@ -63,9 +70,18 @@ class LLMEngine:
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
             max_tokens = max(self.config.max_model_len - len(prompt_ids), 1)
         self.scheduler.check_admissible(len(prompt_ids), max_tokens)
-        seq = Sequence(request_id, prompt_ids, sampling_params, max_tokens)
+        if grammar is None:
+            grammar = self.compile_grammar(sampling_params)
+        seq = Sequence(request_id, prompt_ids, sampling_params, max_tokens,
+                       None if grammar is None else Grammar(grammar))
         self.output_processor.add(seq, stream)
         self.scheduler.add(seq)
+
+    def compile_grammar(self, sampling_params: SamplingParams) -> CompiledGrammar | None:
+        """The request's structured_outputs compiled (None without); ValueError naming structured_outputs when it
+        does not compile. Thread-safe: the serving path calls it on the request's thread."""
+        spec = sampling_params.structured_outputs
+        return None if spec is None else self.structured_outputs.compile(spec)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -120,6 +136,9 @@ class LLMEngine:
         agree again whatever part of a step failed."""
         self.scheduler.preempt_all()
         self.executor.call("reset_batch")
+        for seq in self.scheduler.waiting:  # a step that failed in the output processor advanced only some
+            if seq.grammar is not None:
+                seq.grammar.catch_up(seq.output_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests) or bool(self.pending_outputs)
@@ -131,7 +150,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        sampled = self.executor.execute(scheduled)
+        sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled))
         sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids)
         for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
             self.scheduler.finish(seq, reason)
@@ -140,6 +159,14 @@ class LLMEngine:
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
         outputs, self.pending_outputs = self.pending_outputs + outputs, []
         return outputs
+
+    def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:
+        """The tokens that the step's sampling rows with structured outputs may take (None when no request has
+        them)."""
+        if not self.output_processor.constrained:
+            return None
+        return self.structured_outputs.bitmask([seq.grammar for seq in compress(self.scheduler.running,
+                                                                                 scheduled.samples)])
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -14,6 +14,7 @@ from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models import get_model_class, load_weights
@@ -144,10 +145,11 @@ class ModelRunner:
         return scratch_bytes
 
     # ---- one step ----
-    def execute(self, out: SchedulerOutput) -> RunnerOutput | None:
-        """Apply the step's diffs, run it and sample: rank 0's RunnerOutput (None on the other ranks)."""
+    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
+        """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
+        rank 0's RunnerOutput (None on the other ranks)."""
         logits = self.run_model(out)
-        return None if logits is None else self.sample(logits)
+        return None if logits is None else self.sample(logits, bitmask)
 
     @torch.inference_mode()
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
@@ -176,9 +178,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
-    def sample(self, logits: torch.Tensor) -> RunnerOutput:
+    def sample(self, logits: torch.Tensor, bitmask: TokenBitmask | None = None) -> RunnerOutput:
         """The next tokens of the rows the last prepared step samples, from their logits."""
-        meta = self.batch.sampling_metadata(self.device)
+        meta = self.batch.sampling_metadata(self.device, bitmask)
         sampled = self.sampler(logits, meta)
         top = {}
         if meta.logprob_rows:

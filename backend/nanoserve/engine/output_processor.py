@@ -4,7 +4,8 @@ length limit) and the RequestOutputs a step produces.
 A streamed request gets a RequestOutput (new tokens, text delta) every step it samples; any other only when it
 finishes, with all its tokens and text, and is detokenized per step only when stop strings need the text. The
 rows that need no Python this step (not streamed, no stop strings or logprobs, below their length limit, and
-whose token cannot stop them) cost a few numpy calls over the batch."""
+whose token cannot stop them) cost a few numpy calls over the batch. A request with structured outputs is looked
+at every step: its grammar's matcher takes each token, and ends the request ("stop") once the grammar is complete."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ class RequestState:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.wants_logprobs = params.logprobs is not None
         self.needs_text = stream or bool(detokenizer.stop)  # detokenized at every step
-        self.watched = self.needs_text or self.wants_logprobs  # looked at every step, not only near a stop
+        # looked at every step, not only near a stop
+        self.watched = self.needs_text or self.wants_logprobs or seq.grammar is not None
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.logprob_ranks: list[int] = []  # per generated token: its rank in the vocabulary
         self.cumulative_logprob = 0.0  # summed only while watched
@@ -59,6 +61,7 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.watched: set[str] = set()  # the requests looked at every step
+        self.constrained: set[str] = set()  # the requests with structured outputs (a grammar)
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -75,6 +78,8 @@ class OutputProcessor:
         state = self.requests[seq.request_id] = RequestState(seq, detokenizer, stream)
         if state.watched:
             self.watched.add(seq.request_id)
+        if seq.grammar is not None:
+            self.constrained.add(seq.request_id)
         self._mark_stop_ids(params.stop_token_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -83,6 +88,7 @@ class OutputProcessor:
         if state is None:
             return None
         self.watched.discard(request_id)
+        self.constrained.discard(request_id)
         if state.stream:
             return self._output(state, [], state.detokenizer.flush(), "abort")
         return self._final_output(state, "abort")
@@ -118,12 +124,15 @@ class OutputProcessor:
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
             reason = None
-            if stopping[row] or detokenizer.stop_matched is not None:
-                reason = "stop" if detokenizer.stop_matched is not None else self._finish_reason(state, token_id)
+            grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
+            if stopping[row] or grammar_ends or detokenizer.stop_matched is not None:
+                reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
+                    self._finish_reason(state, token_id)
                 if reason is not None:
                     finished.append((seq, reason))
                     del requests[seq.request_id]
                     self.watched.discard(seq.request_id)
+                    self.constrained.discard(seq.request_id)
                     if not state.stream:
                         outputs.append(self._final_output(state, reason))
                         continue

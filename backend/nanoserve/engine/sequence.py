@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.engine.structured_output import Grammar
 
 
 class SequenceStatus(Enum):
@@ -14,10 +18,10 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
-                 "block_table", "num_cached_tokens", "finish_reason")
+                 "block_table", "num_cached_tokens", "finish_reason", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int):
+                 max_tokens: int, grammar: Grammar | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -27,6 +31,7 @@ class Sequence:
         self.block_table: list[int] = []  # KV blocks; how many tokens they hold is the scheduler's business
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.grammar = grammar  # structured outputs: the matcher of the request's grammar
 
     @property
     def num_tokens(self) -> int:

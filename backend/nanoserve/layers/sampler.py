@@ -1,8 +1,8 @@
 """Logits -> next tokens, from tensors only (the batch's per-row parameters come in a SamplingMetadata).
 
-Per step: penalties and min_tokens masking edit the logits; logprobs are read there (before temperature,
-top-k, top-p and min-p, so they describe the model's distribution, not the sampling one); then greedy rows
-take the argmax and the others sample from the tempered, filtered distribution:
+Per step: penalties, min_tokens masking and the token bitmask of structured outputs edit the logits; logprobs
+are read there (before temperature, top-k, top-p and min-p, so they describe the model's distribution, not the
+sampling one); then greedy rows take the argmax and the others sample from the tempered, filtered distribution:
 - unseeded rows by inverse CDF, one uniform draw per row from the Sampler's generator (drawing Exp(1) noise
   for every vocabulary entry, as the exponential race does, costs far more than the rest of the sampler);
 - a seeded row by the exponential race argmax(probs / Exp(1) noise), its noise drawn only from (seed, number
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from xgrammar import apply_token_bitmask_inplace
 
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T can overflow float32: treat the row as greedy
 _MASK64 = (1 << 64) - 1
@@ -60,6 +61,9 @@ class SamplingMetadata:
     seed_steps: list[int] = field(default_factory=list)  # per seeds entry: how many tokens the row has generated
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked, e.g. by min_tokens
+    # structured outputs: (bitmask [N, ceil(V / 32)] int32, the rows it constrains); bit j % 32 of word j // 32
+    # allows token j, every other token of those rows is masked
+    token_bitmask: tuple[torch.Tensor, list[int]] | None = None
     logprob_rows: list[int] = field(default_factory=list)  # rows that want top logprobs
     max_logprobs: int = 0  # how many top logprobs the most demanding of them wants
 
@@ -84,7 +88,7 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded for each seeded row
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if meta.penalties is not None or meta.banned is not None:
+        if meta.penalties is not None or meta.banned is not None or meta.token_bitmask is not None:
             logits = logits.clone()
             if meta.penalties is not None:
                 meta.penalties.apply(logits)
@@ -92,6 +96,9 @@ class Sampler:
                 rows, token_ids = meta.banned
                 in_vocab = token_ids < logits.shape[1]  # an out-of-vocab stop_token_id can never be sampled
                 logits[rows[in_vocab], token_ids[in_vocab]] = float("-inf")
+            if meta.token_bitmask is not None:
+                bitmask, rows = meta.token_bitmask
+                apply_token_bitmask_inplace(logits, bitmask, indices=rows)
         row_max = _finite_row_max(logits)
         shifted = logits - row_max  # the row max becomes 0: exp never overflows
         weights = shifted.exp()  # unnormalized probabilities at temperature 1
