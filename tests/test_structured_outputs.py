@@ -125,12 +125,13 @@ def test_greedy_constrained_rows_equal_hf_and_free_rows_ignore_them(llm, model_d
 
 def test_preemption_keeps_each_grammar_in_step(model_dir, make_llm):
     """Seeded rows get the same tokens whatever the batch: with a pool so small that requests are preempted
-    and recomputed again and again, the outputs must equal those of a pool that never preempts."""
+    and recomputed again and again, in chunks beside rows that sample, the outputs must equal those of a pool
+    that never preempts."""
     params = sampled({"json": SCHEMA}, max_tokens=120, seeds=range(3)) + sampled({"regex": REGEX}, seeds=[7])
     batch_prompts = prompts(len(params), seed=2)
     roomy = make_llm(model_dir, kvcache_block_size=8)
     expected = [o.token_ids for o in roomy.generate(batch_prompts, params, use_tqdm=False)]
-    tight = make_llm(model_dir, kvcache_block_size=8, num_kvcache_blocks=20)
+    tight = make_llm(model_dir, kvcache_block_size=8, num_kvcache_blocks=20, max_num_batched_tokens=16)
     outputs = tight.generate(batch_prompts, params, use_tqdm=False)
     assert tight.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outputs] == expected

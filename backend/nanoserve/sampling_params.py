@@ -40,7 +40,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
                              f"{', '.join(given) or 'none'}")
         if self.json is not None:
-            self.json = _json_schema(self.json)
+            self.json = _json_object("structured_outputs: json", self.json, "a JSON schema object")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
@@ -62,13 +62,7 @@ class StructuredOutputsParams:
         them), its JSON text, or an instance."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs: invalid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs: expected a JSON object, got {type(value).__name__}")
+        value = _json_object("structured_outputs", value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -181,16 +175,16 @@ def _parse(name: str, kind: str, value):
     return value
 
 
-def _json_schema(schema: dict | str) -> dict:
-    """A JSON schema given as an object or as its JSON text -> the object."""
-    if isinstance(schema, str):
+def _json_object(name: str, value, what: str = "a JSON object") -> dict:
+    """A JSON object given as a dict or as its JSON text -> the dict; ValueError naming `name` otherwise."""
+    if isinstance(value, str):
         try:
-            schema = json.loads(schema)
+            value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"structured_outputs: json is not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"structured_outputs: json must be a JSON schema object, got {type(schema).__name__}")
-    return schema
+            raise ValueError(f"{name}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
 
 
 def _as_list(name, value) -> list:
