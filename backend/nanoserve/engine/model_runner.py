@@ -173,7 +173,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, batch)
         else:
             hidden = self.model(input_ids, positions, self.backend.build(batch))
-        if len(logits_indices) != len(input_ids):  # otherwise every token is sampled, in order
+        if len(inputs.logits_indices) != len(inputs.input_ids):  # otherwise every token is sampled, in order
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
