@@ -28,7 +28,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.model_runner import ModelRunner, pick_device
+from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.layers.attention import AttentionBatch
+from nanoserve.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling bench scripts
 
@@ -218,54 +225,60 @@ def decode_flops(hf_config, weight_params: int, batch: int, total_ctx: int) -> i
     return 2 * weight_params * batch + attention
 
 
-def decode_plan(runner, batch: int, ctx: int, seed: int):
+def decode_step(runner, batch: int, ctx: int, seed: int):
     """A decode step of `batch` sequences with contexts uniform in ctx +- 25%, blocks shuffled over the cache
-    as after some serving; -> (plan, seq_lens)."""
-    from nanoserve.engine.plan import ScheduledSeq, StepPlan
-    from nanoserve.engine.sequence import Sequence
-    from nanoserve.sampling_params import SamplingParams
-
+    as after some serving, as the scheduler would send it; -> (SchedulerOutput, seq_lens)."""
     rng = random.Random(seed)
     block_size, vocab = runner.block_size, runner.config.hf_config.vocab_size
     seq_lens = [rng.randint(ctx - ctx // 4, ctx + ctx // 4) for _ in range(batch)]
-    free = list(range(runner.config.num_kvcache_blocks))
+    free = list(range(runner.kv_cache.shape[2]))
     rng.shuffle(free)
     params = SamplingParams(temperature=0.6, ignore_eos=True)
-    plan = StepPlan()
-    for i, n in enumerate(seq_lens):
-        seq = Sequence(f"decode-{i}", [rng.randrange(vocab) for _ in range(n)], params, max_tokens=1 << 20)
-        seq.block_table = [free.pop() for _ in range(-(-n // block_size))]
-        plan.scheduled.append(ScheduledSeq(seq, n - 1, 1))  # recomputes the last position every step
-    return plan, seq_lens
+    new_seqs = [NewSequence(f"decode-{i}", [rng.randrange(vocab) for _ in range(n)], n, params,
+                            [free.pop() for _ in range(-(-n // block_size))]) for i, n in enumerate(seq_lens)]
+    out = SchedulerOutput(new_seqs=new_seqs, num_computed_tokens=np.array(seq_lens) - 1,  # the last position
+                          num_scheduled_tokens=np.ones(batch, np.int64), samples=np.ones(batch, bool),
+                          num_batched_tokens=batch)
+    return out, seq_lens
 
 
 def make_decode_runner(model: str, args, device: str, seq_lens_bound: int):
-    from nanoserve.config import EngineConfig
-    from nanoserve.engine.model_runner import ModelRunner
-
     block_size = 16
     blocks = args.decode_batch * -(-seq_lens_bound // block_size)
     config = EngineConfig.from_kwargs(model, device=device, max_num_seqs=args.decode_batch,
                                       max_model_len=args.max_model_len, kvcache_block_size=block_size,
                                       num_kvcache_blocks=blocks)
-    return ModelRunner(config)
+    runner = ModelRunner(config, pick_device(config, 0))
+    runner.init_kv_cache()
+    return runner
 
 
-def measure_decode(runner, plan, seq_lens: list[int], iters: int) -> DecodeResult:
+def measure_decode(runner, out, seq_lens: list[int], iters: int) -> DecodeResult:
+    """The forward (graphed and eager), the LM head, and a whole step (inputs, forward, sampling), each run
+    again and again on the same decode step (it recomputes the rows' last positions)."""
     device = runner.device
-    batch = runner.build_batch(plan)
+    runner.batch.update(out)  # the rows join the runner's batch once
+    inputs = runner.batch.prepare(out)
     with torch.inference_mode():
-        input_ids, positions, meta, _ = runner.to_device(batch)
-        forward_eager = device_ms(lambda: runner.model(input_ids, positions, meta), iters, device)
+        input_ids, positions, slot_mapping, _, query_start_loc, seq_lens_t, block_tables = runner._upload(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
+            inputs.seq_lens, inputs.block_tables)
+        batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens_t, block_tables, 1, inputs.max_seq_len)
+        forward_eager = device_ms(lambda: runner.model(input_ids, positions, runner.backend.build(batch)), iters,
+                                  device)
         graphs, forward_graph = runner.graphs, None
-        if graphs is not None and graphs.can_run(len(seq_lens), meta.block_tables.shape[1], meta.is_decode_only):
-            forward_graph = device_ms(lambda: graphs.run(input_ids, positions, meta), iters, device)
-        hidden = runner.model(input_ids, positions, meta)
+        if graphs is not None and graphs.can_run(len(seq_lens), block_tables.shape[1], True):
+            forward_graph = device_ms(lambda: graphs.run(input_ids, positions, batch), iters, device)
+        hidden = runner.model(input_ids, positions, runner.backend.build(batch))
         logits = device_ms(lambda: runner.model.compute_logits(hidden).float(), iters, device)
-    step_graph = wall_ms(lambda: runner.execute(plan), iters, device) if forward_graph is not None else None
+
+    @torch.inference_mode()
+    def step():
+        runner.sample(runner.forward(runner.batch.prepare(out)))
+    step_graph = wall_ms(step, iters, device) if forward_graph is not None else None
     runner.graphs = None
     try:
-        step_eager = wall_ms(lambda: runner.execute(plan), iters, device)
+        step_eager = wall_ms(step, iters, device)
     finally:
         runner.graphs = graphs
     kv = runner.kv_cache
@@ -283,8 +296,8 @@ def run_decode(model: str, args, device: str) -> DecodeResult:
     log(f"decode step: batch {args.decode_batch}, context ~{args.decode_ctx}")
     runner = make_decode_runner(model, args, device, ctx_bound)
     try:
-        plan, seq_lens = decode_plan(runner, args.decode_batch, args.decode_ctx, args.seed)
-        return measure_decode(runner, plan, seq_lens, args.iters)
+        out, seq_lens = decode_step(runner, args.decode_batch, args.decode_ctx, args.seed)
+        return measure_decode(runner, out, seq_lens, args.iters)
     finally:
         runner.shutdown()
         del runner

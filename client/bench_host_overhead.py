@@ -4,9 +4,10 @@ Fills the engine with N sequences, runs their prefills, then times decode-only s
 timed by wrapping the model's `forward`; on CUDA the forward timer synchronizes, so the overhead figure is
 the CPU work around it (scheduling, input preparation, sampling, stop checks, detokenization).
 
-`--host-only` replaces the model forward, the LM head and the sampler by outputs computed beforehand (random
-token ids), so that a step is the engine's host work alone, with warm CPU caches: what a GPU server's host
-sees, where the forward runs on the device. With a real forward on the CPU, the forward evicts the CPU caches
+The forward includes the attention backend's per-step metadata (which the torch backend plans on the host).
+`--host-only` replaces the forward, the LM head and the sampler by outputs computed beforehand (random token
+ids), so that a step is the engine's host work alone, with warm CPU caches: what a GPU server's host sees,
+where the forward runs on the device. With a real forward on the CPU, the forward evicts the CPU caches
 and the host work after it pays for refilling them (several hundred microseconds per step here, whatever N).
 
 Each figure is the median over the timed steps, in wall time and in this process's CPU time (the CPU figure
@@ -57,46 +58,46 @@ class PhaseTimer:
 
 
 def _wrap_phases(engine, timer: PhaseTimer, phases: bool) -> None:
-    runner = engine.model_runner
+    runner = engine.executor.runner
     timer.wrap(runner.model, "forward", "forward", sync=True)
+    timer.wrap(runner.backend, "build", "forward")  # the attention backend's per-step metadata: part of the forward
     if not phases:
         return
     timer.wrap(runner.model, "compute_logits", "lm_head", sync=True)
     timer.wrap(engine.scheduler, "schedule", "schedule")
-    timer.wrap(engine.scheduler, "postprocess", "postprocess")
-    timer.wrap(runner, "build_batch", "prepare")
-    timer.wrap(runner, "to_device", "prepare")
-    if hasattr(runner, "sampling_metadata"):
-        timer.wrap(runner, "sampling_metadata", "sampling_meta")
-    else:  # engines before the metadata cache built it in execute()
-        from nanoserve.layers.sampler import SamplingMetadata
-        timer.wrap(SamplingMetadata, "from_seqs", "sampling_meta")
+    timer.wrap(engine.scheduler, "update", "postprocess")
+    for owner, method in ((runner.batch, "update"), (runner.batch, "prepare"), (runner, "_upload")):
+        timer.wrap(owner, method, "prepare")
+    timer.wrap(runner.batch, "sampling_metadata", "sampling_meta")
     timer.wrap(runner, "sampler", "sampler")
 
 
 def stub_device_work(engine, num_seqs: int, steps: int, evict_mb: int = 0, seed: int = 0) -> None:
-    """Forward, LM head and sampler -> outputs made beforehand: a step is host work only. evict_mb > 0: the
-    stand-in forward reads that many MB twice, evicting the CPU caches as a real CPU forward does (its time is
-    the forward column, not the overhead)."""
+    """Forward (with the attention backend's metadata), LM head and sampler -> outputs made beforehand: a step is
+    host work only. evict_mb > 0: the stand-in forward reads that many MB twice, evicting the CPU caches as a
+    real CPU forward does (its time is the forward column, not the overhead)."""
     from nanoserve.layers.sampler import SamplerOutput
 
-    runner, hf = engine.model_runner, engine.config.hf_config
+    runner, hf = engine.executor.runner, engine.config.hf_config
     hidden = torch.zeros(num_seqs, hf.hidden_size)
     logits = torch.zeros(num_seqs, hf.vocab_size)
     scratch = torch.ones(evict_mb * 2 ** 18)  # float32: evict_mb MB
     generator = torch.Generator().manual_seed(seed)
-    token_rows = iter(torch.randint(0, hf.vocab_size, (steps + 2, num_seqs), generator=generator).numpy())
+    token_rows = iter([SamplerOutput(tokens, torch.zeros(num_seqs)) for tokens in
+                       torch.randint(0, hf.vocab_size, (steps + 2, num_seqs), generator=generator)])
 
     def forward(input_ids, *args, **kwargs):
         for _ in range(2 if evict_mb else 0):
             scratch.sum()
         return hidden[:len(input_ids)]
     runner.model.forward = forward
+    runner.backend.build = lambda batch: None
     runner.model.compute_logits = lambda h: logits[:len(h)]
 
     def sample(logits, meta):
-        tokens = next(token_rows)[:len(logits)]
-        return SamplerOutput(tokens.tolist(), tokens, [0.0] * len(tokens), [None] * len(tokens))
+        out = next(token_rows)
+        return out if len(logits) == num_seqs else SamplerOutput(out.token_ids[:len(logits)],
+                                                                  out.sampled_logprobs[:len(logits)])
     runner.sampler = sample
 
 
@@ -109,8 +110,7 @@ def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bo
     params = SamplingParams(temperature=0.6, max_tokens=steps + 64, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(16)], params, stream=stream)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                          for s in engine.scheduler.running):
+    while engine.scheduler.waiting or engine.last_step.num_prefill_tokens:  # the prefills
         engine.step()
     engine.step()  # first decode step: warms caches built on the first decode
     if host_only:
@@ -135,9 +135,7 @@ def measure(model: str, num_seqs: int, steps: int, engine_args: dict, phases: bo
         row["outputs"] = wall - sum(row[p] for p in PHASES)
         row["outputs_cpu"] = cpu - sum(row[p + "_cpu"] for p in PHASES)
         rows.append(row)
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    engine.step()
+    engine.abort_all()
     engine.shutdown()
     result = {key: statistics.median(r[key] for r in rows) * 1e6 for key in rows[0]}
     result["num_seqs"] = num_seqs

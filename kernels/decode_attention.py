@@ -101,13 +101,13 @@ def _reduce_kernel(
     dims = tl.arange(0, DIM_PAD)
     part = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     m = tl.load(part_m_ptr + part, mask=splits < NUM_SPLITS, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=splits < NUM_SPLITS, other=0.0)
+    sums = tl.load(part_l_ptr + part, mask=splits < NUM_SPLITS, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :],
                   mask=(splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: seq_len 0
     w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * sums, 0)
     out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)

@@ -47,5 +47,5 @@ def make_llm():
     for llm in made:
         stats = llm.stats()
         llm.shutdown()
-        assert not llm.engine.requests, "requests left in the engine"
+        assert not llm.engine.has_unfinished_requests(), "requests left in the engine"
         assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"

@@ -7,10 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sampling_metadata import metadata
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import (MAX_SEED, MAX_STOP_STRING_CHARS, MAX_TEMPERATURE, MAX_TOP_K,
                                        REPETITION_PENALTY_RANGE, SamplingParams)
 
@@ -87,10 +88,11 @@ def test_admitted_params_never_break_the_sampler(batch, logits_seed):
     seqs, scale, masked = batch
     logits = torch.randn(len(seqs), SAMPLER_VOCAB, generator=torch.Generator().manual_seed(logits_seed)) * scale
     logits[:, :masked] = -math.inf
-    out = Sampler(seed=logits_seed)(logits, SamplingMetadata.from_seqs(seqs, EOS, "cpu"))
-    assert len(out.token_ids) == len(seqs)
-    assert all(0 <= t < SAMPLER_VOCAB for t in out.token_ids)
-    for seq, token, logprob in zip(seqs, out.token_ids, out.sampled_logprobs):
+    out = Sampler(seed=logits_seed)(logits, metadata(seqs, EOS))
+    token_ids, logprobs = out.token_ids.tolist(), out.sampled_logprobs.tolist()
+    assert len(token_ids) == len(seqs)
+    assert all(0 <= t < SAMPLER_VOCAB for t in token_ids)
+    for seq, token, logprob in zip(seqs, token_ids, logprobs):
         if masked == 0:  # (with a mask, min_tokens may ban the tokens it left: no token is possible)
             assert not math.isnan(logprob)
         elif seq.sampling_params.min_tokens == 0:
@@ -128,8 +130,8 @@ def test_admitted_params_never_break_an_engine_step(engine, data):
             for output in engine.step():
                 assert all(0 <= t < vocab_size for t in output.new_token_ids)
     finally:
-        for request_id in list(engine.requests):
+        for request_id in list(engine.output_processor.requests):
             engine.abort_request(request_id)
         engine.step()  # delivers the abort outputs
     stats = engine.stats()
-    assert not engine.requests and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not engine.output_processor.requests and stats["num_free_blocks"] == stats["num_total_blocks"]

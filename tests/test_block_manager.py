@@ -4,15 +4,17 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import pytest
+import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from nanoserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
+from nanoserve.engine.input_batch import InputBatch
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
+from test_scheduler import check_mirror
 
 BS = 4
 
@@ -21,20 +23,23 @@ def make_seq(tokens, request_id="r", max_tokens=4) -> Sequence:
     return Sequence(request_id, list(tokens), SamplingParams(max_tokens=max_tokens), max_tokens)
 
 
-def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
-    """Stand-in for one engine step: allocate, 'run the model', cache the full blocks."""
+def compute(bm: BlockManager, seq: Sequence, computed: int, num_tokens: int | None = None) -> int:
+    """Stand-in for one engine step: allocate, 'run the model', cache the full blocks; the new computed count."""
     if num_tokens is None:
-        num_tokens = seq.num_tokens - seq.num_computed_tokens
-    bm.allocate(seq, num_tokens)
-    seq.num_computed_tokens += num_tokens
-    bm.cache_full_blocks(seq)
+        num_tokens = seq.num_tokens - computed
+    bm.allocate(seq, computed + num_tokens)
+    bm.cache_full_blocks(seq, computed + num_tokens)
+    return computed + num_tokens
 
 
 def admit_and_compute(bm: BlockManager, tokens, request_id="r") -> Sequence:
     seq = make_seq(tokens, request_id)
-    bm.allocate_cached_prefix(seq)
-    compute(bm, seq)
+    compute(bm, seq, bm.allocate_cached_prefix(seq))
     return seq
+
+
+def all_computed(*seqs) -> dict[str, int]:
+    return {seq.request_id: seq.num_tokens for seq in seqs}
 
 
 # ---------------------------------------------------------------- hashing
@@ -52,7 +57,7 @@ def test_same_block_after_a_different_prefix_is_not_a_hit():
     admit_and_compute(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
     other = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])
     assert bm.allocate_cached_prefix(other) == 0
-    assert other.block_table == [] and other.num_computed_tokens == 0
+    assert other.block_table == []
 
 
 def test_hit_requires_equal_token_ids_not_just_equal_hash():
@@ -71,8 +76,8 @@ def test_block_holding_the_last_token_is_never_taken_from_cache():
     admit_and_compute(bm, tokens, "a")
     exact = make_seq(tokens, "b")
     assert bm.allocate_cached_prefix(exact) == BS  # second block holds the last token: computed again
-    assert exact.num_computed_tokens == exact.num_cached_tokens == BS
-    assert bm.num_blocks_needed(exact, exact.num_tokens - BS) == 1
+    assert len(exact.block_table) == 1
+    assert bm.num_blocks_needed(exact, exact.num_tokens) == 1
     longer = make_seq(tokens + [99], "c")
     assert bm.allocate_cached_prefix(longer) == 2 * BS
     assert bm.prefix_cache_hit_tokens == 3 * BS
@@ -94,9 +99,8 @@ def test_allocate_covers_computed_plus_new_tokens():
     assert bm.num_blocks_needed(seq, 4) == 1
     bm.allocate(seq, 5)
     assert len(seq.block_table) == 2 and bm.num_free_blocks == 6
-    seq.num_computed_tokens = 5
-    assert bm.num_blocks_needed(seq, 3) == 0  # positions 5..7 fit in block 1
-    assert bm.num_blocks_needed(seq, 4) == 1
+    assert bm.num_blocks_needed(seq, 5 + 3) == 0  # positions 5..7 fit in block 1
+    assert bm.num_blocks_needed(seq, 5 + 4) == 1
     assert bm.can_allocate(6) and not bm.can_allocate(7)
 
 
@@ -108,16 +112,16 @@ def test_shared_prefix_ref_counts_and_free():
     assert b.block_table == a.block_table[:2]
     assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
     free_before = bm.num_free_blocks
-    compute(bm, b)
+    compute(bm, b, 2 * BS)
     assert bm.num_free_blocks == free_before - 1
-    bm.check_invariants([a, b])
+    bm.check_invariants([a, b], all_computed(a, b))
     bm.free(a)
-    assert a.block_table == [] and a.num_computed_tokens == 0
+    assert a.block_table == []
     assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
-    bm.check_invariants([b])
+    bm.check_invariants([b], all_computed(b))
     bm.free(b)
     assert bm.num_free_blocks == bm.num_total_blocks == 8
-    bm.check_invariants([])
+    bm.check_invariants([], {})
 
 
 def test_free_blocks_are_reused_least_recently_freed_first():
@@ -178,30 +182,28 @@ def test_duplicate_content_keeps_the_first_registered_block():
         assert bm.allocate_cached_prefix(seq) == 0
         bm.allocate(seq, seq.num_tokens)
     for seq in (a, b):
-        seq.num_computed_tokens = seq.num_tokens
-        bm.cache_full_blocks(seq)
+        bm.cache_full_blocks(seq, seq.num_tokens)
     block_hash = bm.blocks[a.block_table[0]].hash
     assert bm.blocks[b.block_table[0]].hash == block_hash
     assert bm.hash_to_block_id[block_hash] == a.block_table[0]
     assert bm.num_cached_blocks == 2
-    bm.check_invariants([a, b])
+    bm.check_invariants([a, b], all_computed(a, b))
 
 
 def test_cache_full_blocks_hashes_only_computed_full_blocks_incrementally():
     bm = BlockManager(8, BS)
     seq = make_seq(range(2 * BS + 2))
-    bm.allocate_cached_prefix(seq)
-    compute(bm, seq, BS - 1)
+    computed = compute(bm, seq, bm.allocate_cached_prefix(seq), BS - 1)
     assert bm.num_cached_blocks == 0
-    compute(bm, seq, 2)
+    computed = compute(bm, seq, computed, 2)
     assert bm.num_cached_blocks == 1
-    compute(bm, seq, seq.num_tokens - seq.num_computed_tokens)
+    computed = compute(bm, seq, computed)
     assert bm.num_cached_blocks == 2
     for token in range(BS):  # decode steps fill the third block
-        seq.append_token(1000 + token)
-        compute(bm, seq, 1)
+        seq.token_ids.append(1000 + token)
+        computed = compute(bm, seq, computed, 1)
     assert bm.num_cached_blocks == 3
-    bm.check_invariants([seq])
+    bm.check_invariants([seq], {seq.request_id: computed})
 
 
 def test_prefix_caching_disabled():
@@ -232,6 +234,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                  kvcache_block_size=block_size, enable_prefix_caching=prefix_caching)
         self.bm = BlockManager(num_blocks, block_size, prefix_caching)
         self.scheduler = Scheduler(config, self.bm)
+        self.batch = InputBatch(max_num_seqs, 24, block_size)  # a runner's batch, kept from the diffs
         self.rng = random.Random(seed)
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
@@ -283,22 +286,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _step(self):
         scheduler = self.scheduler
-        plan = scheduler.schedule()
-        assert plan.scheduled, "unfinished requests but nothing scheduled: no progress"
-        assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert len(plan.scheduled) <= scheduler.max_num_seqs and scheduler.num_running <= scheduler.max_num_seqs
-        scheduled_seqs = [s.seq for s in plan.scheduled]
-        assert len(set(map(id, scheduled_seqs))) == len(scheduled_seqs)
-        for entry in plan.scheduled:
-            seq = entry.seq
-            assert seq.status == SequenceStatus.RUNNING and seq in scheduler.running
-            assert entry.start_pos == seq.num_computed_tokens and entry.num_new_tokens > 0
-            assert entry.end_pos <= seq.num_tokens
-            assert len(seq.block_table) * self.bm.block_size >= entry.end_pos
-        for seq in plan.preempted:
-            assert seq.status == SequenceStatus.WAITING and not seq.block_table and seq not in scheduled_seqs
-        sampling = plan.sampling_seqs
-        scheduler.postprocess(plan, [self.rng.choice(VOCAB) for _ in sampling])  # appends the sampled tokens
+        out = scheduler.schedule()
+        assert out.num_batched_tokens > 0, "unfinished requests but nothing scheduled: no progress"
+        assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
+        assert out.num_rows == scheduler.num_running <= scheduler.max_num_seqs
+        for seq, start, count in zip(scheduler.running, out.num_computed_tokens, out.num_scheduled_tokens):
+            assert seq.status == SequenceStatus.RUNNING and start == scheduler.num_computed_tokens(seq)
+            assert start + count <= seq.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= start + count
+        for request_id in out.preempted_ids:
+            seq = next(s for s in scheduler.waiting if s.request_id == request_id)
+            assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        self.batch.update(out)
+        check_mirror(self.batch, scheduler)  # the diffs reproduce the running rows, tokens and block tables
+        self.batch.prepare(out)
+        scheduled_seqs = [seq for seq, count in zip(scheduler.running, out.num_scheduled_tokens) if count]
+        sampling = scheduler.update(out, np.array([self.rng.choice(VOCAB) for _ in range(out.num_sampled)])).seqs
         self._record_prefixes(scheduled_seqs)
         for seq in sampling:
             if seq.num_output_tokens >= seq.max_tokens:
@@ -309,7 +312,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         size = self.bm.block_size
         for seq in seqs:
             prev = NO_HASH
-            for i in range(seq.num_computed_tokens // size):
+            for i in range(self.scheduler.num_computed_tokens(seq) // size):
                 prefix = tuple(seq.token_ids[:(i + 1) * size])
                 prev = chain_hash(prev, list(prefix[-size:]))
                 assert self.prefix_by_hash.setdefault(prev, prefix) == prefix, "hash collision in the test"
@@ -322,8 +325,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         holders = list(scheduler.running) + list(scheduler.waiting)
         assert {s.request_id for s in holders} == set(self.live)
         assert all(not s.block_table for s in scheduler.waiting)
-        self.bm.check_invariants(holders)  # free xor used, ref counts, hashed prefix of each table
-        scheduler.check_rows()  # the decode fast path's block-table rows mirror the running sequences
+        computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
+        self.bm.check_invariants(holders, computed)  # free xor used, ref counts, hashed prefix of each table
+        scheduler.check_columns()  # the rows' numbers match the running sequences'
         used = {b for s in scheduler.running for b in s.block_table}
         assert not used & set(self.bm.free_block_ids)
         for block_hash, block_id in self.bm.hash_to_block_id.items():

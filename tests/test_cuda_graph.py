@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-from test_model_runner import Blocks, check_rows, hf_last_logits, make_runner, make_seq, random_ids, run_step
+from test_model_runner import Blocks, check_rows, greedy_next, make_runner, make_seq, random_ids, run_step
 from torch.overrides import TorchFunctionMode
 
 from nanoserve.engine.cuda_graph import PAD_SEQ_LEN, PAD_SLOT, CUDAGraphRunner
+from nanoserve.layers.attention import AttentionBatch
 
 MAX_MODEL_LEN = 256  # make_runner's
 
@@ -27,8 +28,8 @@ def use_triton_kernels(monkeypatch):
 
 
 def graph_runner(runner, max_num_seqs: int, max_blocks: int | None = None) -> CUDAGraphRunner:
-    return CUDAGraphRunner(runner.model, max_num_seqs, max_blocks or runner.max_blocks_per_seq, MAX_MODEL_LEN,
-                           runner.config.hf_config.hidden_size, runner.dtype, runner.device)
+    return CUDAGraphRunner(runner.model, runner.backend, max_num_seqs, max_blocks or runner.max_blocks_per_seq,
+                           MAX_MODEL_LEN, runner.config.hf_config.hidden_size, runner.dtype, runner.device)
 
 
 class FakeGraph:
@@ -86,9 +87,9 @@ def fake_capture(graphs: CUDAGraphRunner, monkeypatch) -> FakeCuda:
 def spy_replays(graphs: CUDAGraphRunner, monkeypatch) -> list[int]:
     batches, run = [], graphs.run
 
-    def wrapped(input_ids, positions, meta):
+    def wrapped(input_ids, positions, batch):
         batches.append(input_ids.shape[0])
-        return run(input_ids, positions, meta)
+        return run(input_ids, positions, batch)
     monkeypatch.setattr(graphs, "run", wrapped)
     return batches
 
@@ -147,7 +148,7 @@ def test_replay_matches_hf_and_repads_rows(tiny_models, monkeypatch):
 
     for batch in (seqs, seqs[:3]):  # bucket 8 with 3 padded rows, then bucket 4: rows 3, 4 become padding
         for seq in batch:
-            seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+            greedy_next(model_dir, seq)
         check_rows(model_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in batch]), batch)
         assert (graphs.slot_mapping[len(batch):] == PAD_SLOT).all()
         assert (graphs.seq_lens[len(batch):] == PAD_SEQ_LEN).all()
@@ -169,33 +170,31 @@ def test_eager_fallbacks(tiny_models, monkeypatch):
     a, b, c = (make_seq(f"f{i}", random_ids(n, seed=60 + i)) for i, n in enumerate((4, 7, 11)))
     run_step(runner, blocks, [(s, 0, s.num_tokens) for s in (a, b, c)])
     for seq in (a, b, c):
-        seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+        greedy_next(model_dir, seq)
 
     check_rows(model_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in (a, b, c)]), [a, b, c])
     assert replays == []  # 3 sequences: bigger than the largest bucket
     c_step = [(c, c.num_tokens - 1, 1)]
     check_rows(model_dir, run_step(runner, blocks, c_step), [c])
     assert len(c.block_table) == 3 and replays == [1]  # 12 tokens: exactly the captured width
-    c.append_token(5)
+    c.token_ids.append(5)
     check_rows(model_dir, run_step(runner, blocks, [(c, c.num_tokens - 1, 1)]), [c])
     assert len(c.block_table) == 4 and replays == [1]  # a block table wider than captured
     d = make_seq("f3", random_ids(6, seed=63))
-    a.append_token(9)
+    a.token_ids.append(9)
     check_rows(model_dir, run_step(runner, blocks, [(a, a.num_tokens - 1, 1), (d, 0, 6)]), [a, d])
     assert replays == [1]  # a mixed prefill + decode step
     runner.shutdown()
 
 
 def test_replay_needs_one_token_per_sequence(tiny_models):
-    from nanoserve.layers.attention import AttentionMetadata
-
     runner = make_runner(tiny_models["qwen3"])
     graphs = graph_runner(runner, 4)
     ids = torch.zeros(2, dtype=torch.int64)
-    meta = AttentionMetadata(torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 2, 2], dtype=torch.int32),
-                             torch.ones(3, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32), 1, 1, True)
+    batch = AttentionBatch(torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 2, 2], dtype=torch.int32),
+                           torch.ones(3, dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32), 1, 1)
     with pytest.raises(ValueError, match="one token per sequence"):
-        graphs.run(ids, ids, meta)
+        graphs.run(ids, ids, batch)
     runner.shutdown()
 
 

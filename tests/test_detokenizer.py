@@ -81,9 +81,9 @@ TOKENIZERS = {"byte_level": byte_level, "byte_level_window": byte_level_window,
 tokenizer_names = st.sampled_from(sorted(TOKENIZERS))
 
 
-def stream(tokenizer, ids, chunks=None, prompt=(1, 2, 3), **kwargs):
+def stream(tokenizer, ids, chunks=None, **kwargs):
     """Feed ids (in chunks of the given sizes, default one by one); return (detokenizer, deltas)."""
-    detok = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+    detok = IncrementalDetokenizer(tokenizer, **kwargs)
     deltas, pos = [], 0
     for size in chunks or [1] * len(ids):
         if detok.stop_matched is not None or pos >= len(ids):
@@ -115,9 +115,9 @@ def check(tokenizer, ids, chunks=None, skip_special_tokens=True, stop=(), includ
 
 
 def test_byte_level_uses_the_byte_table_and_others_the_window():
-    assert IncrementalDetokenizer(byte_level(), [])._bytes is not None
+    assert IncrementalDetokenizer(byte_level())._bytes is not None
     for name in ("byte_level_window", "unigram_metaspace", "bpe_byte_fallback"):
-        assert IncrementalDetokenizer(TOKENIZERS[name](), [])._bytes is None
+        assert IncrementalDetokenizer(TOKENIZERS[name]())._bytes is None
 
 
 # ---- plain text ------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_multibyte_characters_are_withheld_until_complete():
     tokenizer = byte_level()
     ids = tokenizer.encode("a🎉", add_special_tokens=False)
     assert len(ids) > 2  # the emoji spans several byte tokens
-    detok = IncrementalDetokenizer(tokenizer, [])
+    detok = IncrementalDetokenizer(tokenizer)
     deltas = [detok.add([i]) for i in ids]
     assert deltas[0] == "a" and all(d == "" for d in deltas[1:-1]) and deltas[-1] == "🎉"
     assert "\ufffd" not in "".join(deltas)
@@ -157,17 +157,6 @@ def test_sentencepiece_spaces_between_tokens(name):
     ids = tokenizer.encode(text, add_special_tokens=False)
     _, deltas = check(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids) and " is free" in "".join(deltas)
-
-
-@pytest.mark.parametrize("name", ["unigram_metaspace", "bpe_byte_fallback"])
-def test_continue_prompt_keeps_the_first_leading_space(name):
-    tokenizer = TOKENIZERS[name]()
-    prompt = tokenizer.encode("Permission is granted", add_special_tokens=False)
-    output = tokenizer.encode("to copy it", add_special_tokens=False)  # starts with '▁to'
-    detok = IncrementalDetokenizer(tokenizer, prompt, continue_prompt=True)
-    text = "".join(detok.add([t]) for t in output) + detok.flush()
-    assert text == " to copy it" == detok.text
-    assert tokenizer.decode(output) == "to copy it"  # what the default (exact decode) mode gives
 
 
 @given(name=tokenizer_names, text=st.text(alphabet=st.sampled_from(list(SAMPLE + "ab\u00e9\u4e16")), max_size=60),
@@ -293,7 +282,7 @@ def test_stop_at_the_very_start_and_in_flushed_tail():
 def test_held_back_text_is_released_at_flush():
     tokenizer = byte_level()
     ids = tokenizer.encode("some text here", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["xyzw"])
+    detok = IncrementalDetokenizer(tokenizer, stop=["xyzw"])
     streamed = "".join(detok.add([t]) for t in ids)
     assert streamed == "some text h"  # the last len("xyzw") - 1 chars wait for flush
     assert detok.flush() == "ere" and detok.text == "some text here"
@@ -345,7 +334,7 @@ def test_decodes_only_a_short_window(name):
     tokenizer = TOKENIZERS[name]()
     ids = tokenizer.encode("the terms of this license " * 60, add_special_tokens=False)
     counting = _CountingTokenizer(tokenizer)
-    detok = IncrementalDetokenizer(counting, [])
+    detok = IncrementalDetokenizer(counting)
     text = "".join(detok.add([t]) for t in ids) + detok.flush()
     assert text == tokenizer.decode(ids)
     lengths = counting.backend_tokenizer.lengths
@@ -354,10 +343,10 @@ def test_decodes_only_a_short_window(name):
 
 # ---- add_token: the engine's one-token-per-step call -----------------------------------------------------
 
-def stream_add_token(tokenizer, ids, prompt=(1, 2, 3), **kwargs):
+def stream_add_token(tokenizer, ids, **kwargs):
     """Feed ids one at a time through add_token, next to a twin fed through add([id]): same deltas each step."""
-    fast = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
-    slow = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+    fast = IncrementalDetokenizer(tokenizer, **kwargs)
+    slow = IncrementalDetokenizer(tokenizer, **kwargs)
     deltas = []
     for token_id in ids:
         delta = fast.add_token(token_id)
@@ -373,10 +362,10 @@ def stream_add_token(tokenizer, ids, prompt=(1, 2, 3), **kwargs):
 
 
 def test_add_token_uses_a_whole_character_table_only_for_byte_level_without_stops():
-    assert IncrementalDetokenizer(byte_level(), [])._texts is not None
-    assert IncrementalDetokenizer(byte_level(), [], stop=["x"])._texts is None
+    assert IncrementalDetokenizer(byte_level())._texts is not None
+    assert IncrementalDetokenizer(byte_level(), stop=["x"])._texts is None
     for name in ("byte_level_window", "unigram_metaspace", "bpe_byte_fallback"):
-        assert IncrementalDetokenizer(TOKENIZERS[name](), [])._texts is None
+        assert IncrementalDetokenizer(TOKENIZERS[name]())._texts is None
 
 
 @given(name=tokenizer_names, data=st.data())
@@ -400,19 +389,3 @@ def test_add_token_on_split_and_invalid_utf8(pieces):
     ids = byte_token_ids(tokenizer, b"".join(pieces))
     _, deltas = stream_add_token(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids)
-
-
-@pytest.mark.parametrize("name", sorted(TOKENIZERS))
-def test_add_token_streams_text_with_continue_prompt(name):
-    tokenizer = TOKENIZERS[name]()
-    prompt = tokenizer.encode("The license", add_special_tokens=False)
-    ids = tokenizer.encode(" says 你好 🎉 and more", add_special_tokens=False)
-    stream_add_token(tokenizer, ids, prompt=prompt, continue_prompt=True)
-
-
-def test_add_token_completes_a_character_begun_in_the_prompt():
-    tokenizer = byte_level()
-    prompt = tokenizer.encode("ab", add_special_tokens=False) + byte_token_ids(tokenizer, "你".encode()[:2])
-    ids = byte_token_ids(tokenizer, "你".encode()[2:]) + tokenizer.encode(" ok", add_special_tokens=False)
-    detok, deltas = stream_add_token(tokenizer, ids, prompt=prompt, continue_prompt=True)
-    assert deltas[0] == "你" and detok.text == "你 ok"

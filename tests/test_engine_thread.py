@@ -47,7 +47,7 @@ def engine(qwen3_dir):
 def run(engine, requests, bad=None, after=0):
     """Serve requests ({id: (prompt, params)}) on an engine thread; once each has an output, add `bad` (id,
     prompt, params). Returns ({id: text}, {id: failure message}, the thread)."""
-    engine.model_runner.sampler = FaultySampler(engine.config.seed, after)
+    engine.executor.runner.sampler = FaultySampler(engine.config.seed, after)
     results = queue.Queue()
     thread = EngineThread(engine, results).start()
     texts, failed = {request_id: "" for request_id in requests}, {}
@@ -80,7 +80,7 @@ def test_a_failing_step_fails_only_the_request_admitted_with_it(engine):
     assert texts == reference
     assert thread.failure is None
     stats = engine.stats()
-    assert not engine.requests and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not engine.output_processor.requests and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def test_a_step_that_keeps_failing_fails_the_engine(engine):
@@ -91,7 +91,7 @@ def test_a_step_that_keeps_failing_fails_the_engine(engine):
     assert thread.failure == "an engine step failed again after recovering from a failed step"
     assert not failed  # nothing was admitted since the last good step: the response thread ends them all
     stats = engine.stats()
-    assert not engine.requests and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not engine.output_processor.requests and stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 class BrokenResults(queue.Queue):

@@ -35,7 +35,7 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
 
 def engine_run(tokenizer, output_ids, skip_special_tokens=True, stop=(), include_stop_str_in_output=False):
     """(text, ids generated): the engine's IncrementalDetokenizer, ending the request at a stop string."""
-    detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens, stop, include_stop_str_in_output)
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens, stop, include_stop_str_in_output)
     text = ""
     for i, token in enumerate(output_ids):
         text += detokenizer.add([token])

@@ -10,10 +10,10 @@ import nanoserve.layers.embedding as embedding_mod
 import nanoserve.layers.linear as linear_mod
 from nanoserve.kernels.reference import fused_add_rms_norm_ref, rms_norm_ref, silu_and_mul_ref
 from nanoserve.layers.activation import SiluAndMul
-from nanoserve.layers.attention import Attention
+from nanoserve.layers.attention import make_backend
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     ReplicatedLinear, RowParallelLinear)
+                                     RowParallelLinear)
 from nanoserve.layers.norm import RMSNorm
 from nanoserve.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_parameters
 
@@ -87,12 +87,12 @@ def test_silu_and_mul():
 
 def test_attention_backend_errors():
     with pytest.raises(ValueError, match="attention backend"):
-        Attention(4, 2, 16, 0.25, backend="nope")
+        make_backend("nope")
     try:
         import flash_attn  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="flash-attn"):
-            Attention(4, 2, 16, 0.25, backend="flash_attn")
+            make_backend("flash_attn")
 
 
 # ---- tensor-parallel sharding math, one rank at a time ----
@@ -195,7 +195,7 @@ def test_vocab_parallel_embedding_and_lm_head(as_rank):
 
 
 def test_loader_shape_mismatch_is_named():
-    layer = ReplicatedLinear(4, 3, bias=False)
+    layer = ColumnParallelLinear(4, 3, bias=False)
     with pytest.raises(ValueError, match="shape mismatch"):
         layer.weight.weight_loader(layer.weight, torch.randn(3, 5))
     with pytest.raises(ValueError, match="divisible"):

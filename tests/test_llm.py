@@ -106,18 +106,20 @@ def test_text_prompt_and_stop_conditions(qwen3_dir, make_llm):
         assert by_text.text == reference.text[:reference.text.index(stop_text)]
 
 
-def test_eos_stops_unless_ignored(qwen3_dir, make_llm):
-    llm = make_llm(qwen3_dir)
+def test_eos_stops_unless_ignored(qwen3_dir, make_llm, monkeypatch):
+    from nanoserve.engine import llm_engine
+
     prompt = random_prompts([6], seed=8)[0]
     reference = hf_greedy(qwen3_dir, prompt, 12)
-    eos = llm.engine.tokenizer.eos_token_id
-    llm.engine.eos_token_ids = {reference[3]}  # make the 4th greedy token act as EOS
+    monkeypatch.setattr(llm_engine, "eos_token_ids", lambda config, tokenizer: {reference[3]})
+    llm = make_llm(qwen3_dir)  # the 4th greedy token acts as EOS: for the stop check and min_tokens' ban
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == reference[:4]
+    ignored = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert ignored[0].finish_reason == "length" and ignored[0].token_ids == reference
     min_tokens = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, min_tokens=6),
                               use_tqdm=False)[0]
-    assert len(min_tokens.token_ids) >= 6
-    llm.engine.eos_token_ids = {eos}
+    assert len(min_tokens.token_ids) >= 6 and reference[3] not in min_tokens.token_ids[:6]
 
 
 def test_cumulative_logprob_matches_hf(qwen3_dir, make_llm):
@@ -157,6 +159,28 @@ def test_streaming_engine_api_and_abort(qwen3_dir, make_llm):
     assert out.finished and out.finish_reason == "length" and len(token_ids) == 30
     assert text == engine.tokenizer.decode(token_ids, skip_special_tokens=True)
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
+
+
+def test_abort_all_recovers_from_a_step_that_failed_half_way(qwen3_dir, make_llm):
+    """The forward raises after the runner applied the step's diffs: abort_all() leaves the scheduler and the
+    runner in step again, and the next requests get HF's tokens."""
+    llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK)
+    engine, prompts = llm.engine, random_prompts([5, 9], seed=13)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, GREEDY)
+    engine.step()
+    engine.step()  # a prefill and a decode: the runner's batch holds both rows
+
+    def failing(inputs):
+        raise RuntimeError("the forward failed")
+    runner = engine.executor.runner
+    runner.forward = failing
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.step()
+    del runner.forward  # the method again
+    assert sorted(engine.abort_all()) == ["a0", "a1"] and not engine.has_unfinished_requests()
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [out.token_ids for out in outputs] == [hf_greedy(qwen3_dir, p, GREEDY.max_tokens) for p in prompts]
 
 
 def run_engine(engine, requests) -> dict[str, list]:

@@ -1,6 +1,6 @@
-"""ModelRunner against HF transformers on the same random weights: hand-built StepPlans covering batched
-prefill, decode, chunked prefill, a cached prefix, mixed prefill+decode batches, and the CUDA-graph
-bucket/padding logic (emulated eagerly on CPU)."""
+"""ModelRunner against HF transformers on the same random weights: hand-made steps (SchedulerOutputs with their
+diffs) covering batched prefill, decode, chunked prefill, a cached prefix, mixed prefill+decode batches, and
+the CUDA-graph bucket/padding logic (emulated eagerly on CPU)."""
 from __future__ import annotations
 
 import random
@@ -12,33 +12,74 @@ from hf_reference import hf_model
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner, decode_buckets, fits_graph, pick_bucket
-from nanoserve.engine.model_runner import BlockTableCache, ModelRunner, build_step_batch
-from nanoserve.engine.plan import ScheduledSeq, StepPlan
+from nanoserve.engine.model_runner import ModelRunner, pick_device
+from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.sampler import SamplingMetadata
 from nanoserve.sampling_params import SamplingParams
 
 ARCHS = ("qwen3", "qwen2", "llama")
 
 
-# ---- helpers (also used by test_tensor_parallel.py) ----
-def make_runner(model_dir: str, block_size: int = 4, num_blocks: int = 96, **engine_args) -> ModelRunner:
+# ---- helpers (also used by test_tensor_parallel.py, test_cuda_graph.py, test_models.py) ----
+def make_config(model_dir: str, block_size: int = 4, num_blocks: int | None = 96, **engine_args) -> EngineConfig:
     args = dict(device="cpu", dtype="float32", kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
                 max_model_len=256, max_num_seqs=16)
-    return ModelRunner(EngineConfig.from_kwargs(model_dir, **{**args, **engine_args}))
+    return EngineConfig.from_kwargs(model_dir, **{**args, **engine_args})
+
+
+def make_runner(model_dir: str, block_size: int = 4, num_blocks: int | None = 96, **engine_args) -> ModelRunner:
+    config = make_config(model_dir, block_size, num_blocks, **engine_args)
+    runner = ModelRunner(config, pick_device(config, 0))
+    runner.init_kv_cache()
+    return runner
 
 
 class Blocks:
-    """Hands out KV block ids in a scrambled order, so block tables are not contiguous."""
+    """Plays the scheduler for hand-made steps: hands out KV block ids in a scrambled order (so block tables are
+    not contiguous) and turns each step's (seq, start, num_new_tokens) items into a SchedulerOutput of diffs
+    against the rows the runner holds. Rows missing from a step leave the batch; new ones join at the end."""
 
     def __init__(self, num_blocks: int, block_size: int, seed: int = 0):
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.block_size = block_size
+        self.rows: list[Sequence] = []
+        self.sampled: list[Sequence] = []  # the last step's sampling rows, in order (its logits' order)
+        self._sampled_lengths: list[int] = []
 
-    def cover(self, seq: Sequence, num_tokens: int) -> None:
+    def cover(self, seq: Sequence, num_tokens: int) -> list[int]:
+        start = len(seq.block_table)
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self.free.pop())
+        return seq.block_table[start:]
+
+    def output(self, items) -> SchedulerOutput:
+        work = {seq.request_id: (start, n) for seq, start, n in items}
+        out = SchedulerOutput(new_token_ids=np.array(
+            [seq.token_ids[n] if seq.num_tokens > n else 0 for seq, n in zip(self.sampled, self._sampled_lengths)],
+            dtype=np.int64))  # the token the test appended to each sampling row (0: none)
+        unfed = {seq.request_id for seq, n in zip(self.sampled, self._sampled_lengths) if seq.num_tokens == n}
+        # a row leaves when it is not in the step, or when it sampled and got no token (then it joins again)
+        out.finished_ids = [seq.request_id for seq in self.rows
+                            if seq.request_id not in work or seq.request_id in unfed]
+        self.rows = [seq for seq in self.rows if seq.request_id not in out.finished_ids]
+        for seq, start, n in items:
+            if seq in self.rows:
+                new_ids = self.cover(seq, start + n)
+                if new_ids:
+                    out.new_block_ids.append((self.rows.index(seq), new_ids))
+            else:
+                self.cover(seq, start + n)
+                self.rows.append(seq)
+                out.new_seqs.append(NewSequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens,
+                                                seq.sampling_params, list(seq.block_table)))
+        out.num_computed_tokens = np.array([work[seq.request_id][0] for seq in self.rows], dtype=np.int64)
+        out.num_scheduled_tokens = np.array([work[seq.request_id][1] for seq in self.rows], dtype=np.int64)
+        out.samples = out.num_computed_tokens + out.num_scheduled_tokens == [seq.num_tokens for seq in self.rows]
+        out.num_batched_tokens = int(out.num_scheduled_tokens.sum())
+        self.sampled = [seq for seq, samples in zip(self.rows, out.samples) if samples]
+        self._sampled_lengths = [seq.num_tokens for seq in self.sampled]
+        return out
 
 
 def make_seq(name: str, token_ids: list[int]) -> Sequence:
@@ -50,15 +91,12 @@ def random_ids(n: int, seed: int, vocab: int = 1000) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def run_step(runner: ModelRunner, blocks: Blocks, items) -> torch.Tensor:
-    """items: (seq, start_pos, num_new_tokens); returns logits for the rows that sample."""
-    plan = StepPlan()
-    for seq, start, n in items:
-        blocks.cover(seq, start + n)
-        plan.scheduled.append(ScheduledSeq(seq, start, n))
-    logits = runner.run_model(plan)
+def run_step(runner, blocks: Blocks, items) -> torch.Tensor:
+    """items: (seq, start_pos, num_new_tokens) in row order; returns the logits of the rows that sample, in the
+    order of blocks.sampled. `runner` is anything with run_model(SchedulerOutput)."""
+    logits = runner.run_model(blocks.output(items))
     assert logits.dtype == torch.float32
-    assert logits.shape[0] == len(plan.sampling_seqs)
+    assert logits.shape[0] == len(blocks.sampled)
     return logits
 
 
@@ -78,6 +116,10 @@ def check_rows(model_dir: str, logits: torch.Tensor, seqs: list[Sequence]) -> No
         assert_logits_close(logits[row], hf_last_logits(model_dir, seq.token_ids))
 
 
+def greedy_next(model_dir: str, seq: Sequence) -> None:
+    seq.token_ids.append(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+
+
 # ---- model output vs HF ----
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batched_prefill_then_decode(arch, tiny_models):
@@ -90,7 +132,7 @@ def test_batched_prefill_then_decode(arch, tiny_models):
     check_rows(model_dir, logits, seqs)
     for _ in range(4):  # decode: append HF's greedy token, compare the next logits
         for row, seq in enumerate(seqs):
-            seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+            greedy_next(model_dir, seq)
         logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in seqs])
         check_rows(model_dir, logits, seqs)
     runner.shutdown()
@@ -108,7 +150,7 @@ def test_chunked_prefill_and_cached_prefix(arch, tiny_models):
     b = make_seq("b", a.token_ids[:8] + random_ids(5, seed=11))
     b.block_table = a.block_table[:2]
     check_rows(model_dir, run_step(runner, blocks, [(b, 8, 5)]), [b])
-    b.append_token(7)
+    b.token_ids.append(7)
     check_rows(model_dir, run_step(runner, blocks, [(b, b.num_tokens - 1, 1)]), [b])
     runner.shutdown()
 
@@ -120,82 +162,39 @@ def test_mixed_prefill_chunks_and_decodes(arch, tiny_models):
     blocks = Blocks(96, 16, seed=2)
     d1, d2 = make_seq("d1", random_ids(5, seed=20)), make_seq("d2", random_ids(17, seed=21))
     run_step(runner, blocks, [(d1, 0, 5), (d2, 0, 17)])
-    d1.append_token(11)
-    d2.append_token(12)
+    d1.token_ids.append(11)
+    d2.token_ids.append(12)
     p1 = make_seq("p1", random_ids(40, seed=22))  # two chunks: 0..19 now, the rest below
     p2 = make_seq("p2", random_ids(9, seed=23))
     logits = run_step(runner, blocks, [(d1, 5, 1), (p1, 0, 20), (d2, 17, 1), (p2, 0, 9)])
     check_rows(model_dir, logits, [d1, d2, p2])
-    d1.append_token(13)
+    d1.token_ids.append(13)
     logits = run_step(runner, blocks, [(p1, 20, 20), (d1, 6, 1)])
-    check_rows(model_dir, logits, [p1, d1])
+    assert blocks.sampled == [d1, p1]  # row order: d1 joined the batch first
+    check_rows(model_dir, logits, [d1, p1])
     runner.shutdown()
 
 
 def test_execute_samples_greedy_tokens(tiny_models):
-    pytest.importorskip("nanoserve.layers.sampler")
     model_dir = tiny_models["qwen3"]
     runner = make_runner(model_dir)
     blocks = Blocks(96, 4)
     seqs = [make_seq("x", random_ids(6, seed=30)), make_seq("y", random_ids(3, seed=31))]
-    plan = StepPlan()
-    for seq in seqs:
-        blocks.cover(seq, seq.num_tokens)
-        plan.scheduled.append(ScheduledSeq(seq, 0, seq.num_tokens))
-    out = runner.execute(plan)
-    assert out.token_ids == [int(hf_last_logits(model_dir, s.token_ids).argmax()) for s in seqs]
+    out = runner.execute(blocks.output([(seq, 0, seq.num_tokens) for seq in seqs]))
+    assert out.token_ids.tolist() == [int(hf_last_logits(model_dir, s.token_ids).argmax()) for s in seqs]
     runner.shutdown()
 
 
 def test_kv_blocks_from_cpu_budget(tiny_models):
-    runner = make_runner(tiny_models["qwen3"], num_blocks=None, cpu_kvcache_space_gib=0.001)
+    config = make_config(tiny_models["qwen3"], num_blocks=None, cpu_kvcache_space_gib=0.001)
+    runner = ModelRunner(config, pick_device(config, 0))
     # 2 (k, v) * 2 layers * block 4 * 2 kv heads * head_dim 16 * 4 bytes = 2048 bytes a block
-    assert runner.config.num_kvcache_blocks == int(0.001 * 2 ** 30) // 2048
-    assert tuple(runner.kv_cache.shape) == (2, 2, runner.config.num_kvcache_blocks, 4, 2, 16)
+    assert runner.init_kv_cache() == int(0.001 * 2 ** 30) // 2048
+    assert config.num_kvcache_blocks is None  # returned, not written into the config
+    assert tuple(runner.kv_cache.shape) == (2, 2, int(0.001 * 2 ** 30) // 2048, 4, 2, 16)
     layer = runner.attention_layers[1]
     assert layer.k_cache.data_ptr() == runner.kv_cache[0, 1].data_ptr()
     runner.shutdown()
-
-
-# ---- batch tensors ----
-def test_prepare_builds_tensors_from_the_plan(tiny_models):
-    runner = make_runner(tiny_models["qwen3"])
-    x = make_seq("x", [5, 6, 7, 8, 9, 10])
-    x.block_table = [3, 9]
-    y = make_seq("y", [1, 2, 3, 4, 50])
-    y.block_table = [1, 5, 8]  # wider than needed: padding follows the widest table
-    z = make_seq("z", list(range(20, 30)))
-    z.block_table = [2, 4, 6]
-    plan = StepPlan([ScheduledSeq(x, 0, 6), ScheduledSeq(y, 4, 1), ScheduledSeq(z, 2, 5)])
-    input_ids, positions, meta, sample_rows = runner.prepare(plan)
-    assert input_ids.tolist() == [5, 6, 7, 8, 9, 10, 50, 22, 23, 24, 25, 26]
-    assert positions.tolist() == [0, 1, 2, 3, 4, 5, 4, 2, 3, 4, 5, 6]
-    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 36, 37, 20, 10, 11, 16, 17, 18]
-    assert meta.query_start_loc.tolist() == [0, 6, 7, 12]
-    assert meta.seq_lens.tolist() == [6, 5, 7]
-    assert meta.block_tables.tolist() == [[3, 9, 0], [1, 5, 8], [2, 4, 6]]
-    assert sample_rows.tolist() == [5, 6]  # z's chunk stops before its last token
-    assert (meta.max_query_len, meta.max_seq_len, meta.is_decode_only) == (6, 7, False)
-    assert meta.slot_mapping.dtype == torch.int64 and meta.seq_lens.dtype == torch.int32
-    assert meta.query_start_loc.dtype == torch.int32 and meta.block_tables.dtype == torch.int32
-    decode = StepPlan([ScheduledSeq(y, 4, 1), ScheduledSeq(x, 5, 1)])
-    _, _, meta, sample_rows = runner.prepare(decode)
-    assert meta.is_decode_only and sample_rows.tolist() == [0, 1]
-    assert meta.block_tables.tolist() == [[1, 5, 8], [3, 9, 0]]
-    runner.shutdown()
-
-
-def test_block_table_cache_follows_changed_tables():
-    cache = BlockTableCache(num_rows=4, width=2)
-    a, b, c = [3, 1, 4], [1], [5, 9]
-    assert cache.gather([a, b], [1, 2], 3).tolist() == [[3, 1, 4], [1, 0, 0]]
-    a.append(7)  # mutated in place: the saved copy must not follow it silently
-    b[0] = 6
-    assert cache.gather([b, a], [2, 1], 4).tolist() == [[6, 0, 0, 0], [3, 1, 4, 7]]
-    assert cache.gather([c, [2]], [3, 1], 2).tolist() == [[5, 9], [2, 0]]  # key 1 shrank
-    # more new keys than free rows: the cache resets and still answers correctly
-    tables = [[i, i + 1] for i in range(4)]
-    assert cache.gather(tables, [10, 11, 12, 13], 2).tolist() == tables
 
 
 # ---- CUDA graph bucket choice and padded replay (CPU emulation of the graphs) ----
@@ -219,14 +218,14 @@ class _EagerGraph:
         self.runner, self.bucket = runner, bucket
 
     def replay(self):
-        r, b = self.runner, self.bucket
-        r.outputs[:b] = r.model(r.input_ids[:b], r.positions[:b], r._metadata(b))
+        self.runner._forward(self.bucket)
 
 
 def test_graph_replay_pads_rows_harmlessly(tiny_models):
     model_dir = tiny_models["llama"]
     runner = make_runner(model_dir, max_num_seqs=8)
-    graphs = CUDAGraphRunner(runner.model, 8, runner.max_blocks_per_seq, 256, 64, torch.float32, runner.device)
+    graphs = CUDAGraphRunner(runner.model, runner.backend, 8, runner.max_blocks_per_seq, 256, 64, torch.float32,
+                             runner.device)
     graphs.block_tables.fill_(5)  # stale ids from "earlier steps" in padded rows and unused columns
     graphs.graphs = {b: _EagerGraph(graphs, b) for b in graphs.buckets}
     runner.graphs = graphs
@@ -238,7 +237,7 @@ def test_graph_replay_pads_rows_harmlessly(tiny_models):
     assert replays == []  # prefill runs eagerly
     for _ in range(2):
         for seq in seqs:
-            seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+            greedy_next(model_dir, seq)
         logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in seqs])  # bucket 4, one padded row
         check_rows(model_dir, logits, seqs)
     assert replays == [3, 3]
@@ -251,15 +250,6 @@ def _spy(run, calls):
         calls.append(input_ids.shape[0])
         return run(input_ids, positions, meta)
     return wrapped
-
-
-def test_step_batch_is_plain_host_data():
-    seq = make_seq("h", [1, 2, 3])
-    seq.block_table = [0]
-    batch = build_step_batch(StepPlan([ScheduledSeq(seq, 0, 3)]), 4)
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "sample_rows"):
-        assert isinstance(getattr(batch, name), np.ndarray), name
 
 
 def test_triton_kernels_match_hf(tiny_models, monkeypatch):
@@ -281,10 +271,11 @@ def test_triton_kernels_match_hf(tiny_models, monkeypatch):
     seqs = [make_seq(f"k{i}", random_ids(n, seed=80 + i)) for i, n in enumerate((1, 8, 7))]
     check_rows(model_dir, run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs]), seqs)
     for seq in seqs:
-        seq.append_token(int(hf_last_logits(model_dir, seq.token_ids).argmax()))
+        greedy_next(model_dir, seq)
     late = make_seq("late", random_ids(6, seed=90))
     logits = run_step(runner, blocks, [(seqs[0], 1, 1), (late, 0, 6), (seqs[1], 8, 1), (seqs[2], 7, 1)])
-    check_rows(model_dir, logits, [seqs[0], late, seqs[1], seqs[2]])
+    check_rows(model_dir, logits, blocks.sampled)
+    assert blocks.sampled == [seqs[0], seqs[1], seqs[2], late]
     logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in (seqs[0], late)])  # decode only
     check_rows(model_dir, logits, [seqs[0], late])
     runner.shutdown()
@@ -302,47 +293,3 @@ def test_warmup_forward_at_the_largest_batch(tiny_models):
 def test_flash_attn_needs_big_blocks(tiny_models):
     with pytest.raises(ValueError, match="multiple of 256"):
         make_runner(tiny_models["qwen3"], attention_backend="flash_attn", block_size=16)
-
-
-# ---- decode fast path: a scheduler-made decode plan ----
-def test_decode_batch_from_arrays_equals_the_general_build():
-    from types import SimpleNamespace
-
-    from nanoserve.engine.block_manager import BlockManager
-    from nanoserve.engine.scheduler import Scheduler
-
-    config = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128, kvcache_block_size=4,
-                             enable_prefix_caching=True)
-    scheduler = Scheduler(config, BlockManager(200, 4))
-    seqs = [make_seq(f"d{i}", random_ids(n, seed=60 + i)) for i, n in enumerate((1, 3, 4, 9, 16, 2))]
-    for seq in seqs:
-        scheduler.add(seq)
-    decode_plans = 0
-    for step in range(12):  # tables grow past several block boundaries
-        plan = scheduler.schedule()
-        fast = build_step_batch(plan, 4, BlockTableCache(16, 8))
-        general = build_step_batch(StepPlan(list(plan.scheduled)), 4, BlockTableCache(16, 8))
-        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                     "sample_rows"):
-            a, b = getattr(fast, name), getattr(general, name)
-            assert a.dtype == b.dtype and np.array_equal(a, b), (step, name, a, b)
-        assert (fast.max_query_len, fast.max_seq_len) == (general.max_query_len, general.max_seq_len)
-        decode_plans += plan.decode is not None
-        scheduler.postprocess(plan, [7 + step] * len(plan.sampling_seqs))
-    assert decode_plans == 11
-
-
-def test_sampling_metadata_is_reused_for_the_same_sequences(tiny_models):
-    runner = make_runner(tiny_models["qwen3"])
-    seqs = [Sequence(f"m{i}", [1, 2, 3], SamplingParams(temperature=0.5, top_k=4), max_tokens=8) for i in range(3)]
-    meta = runner.sampling_metadata(seqs)
-    assert runner.sampling_metadata(list(seqs)) is meta  # same sequences, nothing step-dependent: reused
-    assert runner.sampling_metadata(seqs[:2]) is not meta  # a sequence left: rebuilt
-    runner.eos_token_id = [2, 5]
-    assert runner.sampling_metadata(seqs[:2]).eos_token_id == [2, 5]  # the EOS ids changed: rebuilt
-    seeded = [Sequence("s", [1, 2], SamplingParams(temperature=0.5, seed=3), max_tokens=8)]
-    first = runner.sampling_metadata(seeded)
-    seeded[0].append_token(9)
-    second = runner.sampling_metadata(seeded)  # the seeded row's step seed follows its tokens
-    assert second.seeded != first.seeded and second.seeded == SamplingMetadata.from_seqs(seeded, [2, 5]).seeded
-    runner.shutdown()

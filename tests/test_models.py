@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_model_runner import (Blocks, check_rows, hf_last_logits, make_runner, make_seq, random_ids,
-                               run_step)
+from hf_reference import hf_model
+from test_model_runner import Blocks, check_rows, greedy_next, make_runner, make_seq, random_ids, run_step
 from transformers import AutoConfig
 
-from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
 from nanoserve.models import MODELS, get_model_class, load_weights
 
 
@@ -38,7 +38,7 @@ def _copy_checkpoint(src: str, dst: str, edit) -> str:
 
 def _build(model_dir: str):
     config = AutoConfig.from_pretrained(model_dir)
-    model = get_model_class(config)(config, "torch")
+    model = get_model_class(config)(config, make_backend("torch"))
     return config, model
 
 
@@ -62,18 +62,17 @@ def test_model_interface_matches_hf_full_sequence(tiny_models):
     config, model = _build(model_dir)
     load_weights(model, model_dir)
     ids = random_ids(10, seed=5)
-    heads, head_dim = config.num_key_value_heads, config.head_dim
-    for layer in model.modules():
-        if hasattr(layer, "k_cache"):
-            layer.k_cache, layer.v_cache = torch.zeros(2, 2, 8, heads, head_dim).unbind(0)
-    meta = AttentionMetadata(slot_mapping=torch.arange(10), query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
-                             seq_lens=torch.tensor([10], dtype=torch.int32),
-                             block_tables=torch.tensor([[0, 1]], dtype=torch.int32), max_query_len=10,
-                             max_seq_len=10, is_decode_only=False)
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    kv = torch.zeros(2, len(layers), 2, 8, config.num_key_value_heads, config.head_dim)  # 2 blocks of 8 slots
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
+        layer.backend.bind_kv_cache(kv)
+    batch = AttentionBatch(slot_mapping=torch.arange(10), query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
+                           seq_lens=torch.tensor([10], dtype=torch.int32),
+                           block_tables=torch.tensor([[0, 1]], dtype=torch.int32), max_query_len=10, max_seq_len=10)
     with torch.inference_mode():
-        hidden = model(torch.tensor(ids), torch.arange(10), meta)
+        hidden = model(torch.tensor(ids), torch.arange(10), layers[0].backend.build(batch))
         logits = model.compute_logits(hidden)
-        from hf_reference import hf_model
         ref = hf_model(model_dir)(torch.tensor([ids])).logits[0]
     assert hidden.shape == (10, config.hidden_size) and logits.shape == (10, config.vocab_size)
     torch.testing.assert_close(logits, ref, atol=1e-4 * float(ref.abs().max()), rtol=1e-4)
@@ -92,7 +91,7 @@ def test_tied_embeddings_and_sharded_checkpoint(tied_sharded_dir):
     seqs = [make_seq("t0", random_ids(9, seed=50)), make_seq("t1", random_ids(2, seed=51))]
     check_rows(tied_sharded_dir, run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs]), seqs)
     for seq in seqs:
-        seq.append_token(int(hf_last_logits(tied_sharded_dir, seq.token_ids).argmax()))
+        greedy_next(tied_sharded_dir, seq)
     check_rows(tied_sharded_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in seqs]), seqs)
     runner.shutdown()
 

@@ -6,6 +6,7 @@ import socket
 import urllib.parse
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 from serving_utils import metrics, metrics_when
@@ -98,6 +99,23 @@ def test_stop_and_seed(client, prompt, offline):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_and_structured_outputs(client, prompt):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=3, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    choices = ["yes", "no", "maybe"]
+    completion = client.completions.create(model=MODEL, prompt=prompt, temperature=1.0, seed=4, max_tokens=20,
+                                           extra_body={"structured_outputs": {"choice": choices}})
+    assert completion.choices[0].text in choices and completion.choices[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("params, param", [
     ({"top_p": 1.5}, "top_p"),
     ({"temperature": -1}, "temperature"),
@@ -107,6 +125,10 @@ def test_stop_and_seed(client, prompt, offline):
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),  # past max_model_len: the engine's INVALID_ARG, passed through
     ({"extra_body": {"logit_bias": {"1": 5}}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),  # the engine's INVALID_ARG, named as the request named it
+    ({"extra_body": {"structured_outputs": {"regex": "(a"}}}, "structured_outputs"),
     ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -113,3 +113,24 @@ def test_stream_events_and_the_whole_response_agree():
 def test_triton_errors_become_http_errors(message, status, param):
     error = triton_error(message)
     assert (error.status, error.param) == (status, param) and error.message == message
+
+
+def test_response_format_maps_to_structured_outputs():
+    def structured(**fields):
+        return ChatCompletionRequest(model="m", messages=MESSAGES, **fields).sampling_parameters().get(
+            "structured_outputs")
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert structured(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}) == \
+        {"json": schema}
+    assert structured(response_format={"type": "json_object"}) == {"json_object": True}
+    assert structured(response_format={"type": "text"}) is None
+    assert structured(structured_outputs={"regex": "[ab]+"}) == {"regex": "[ab]+"}
+    for fields in ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+                   {"response_format": {"type": "json_schema"}}):
+        with pytest.raises(APIError) as error:
+            structured(**fields)
+        assert error.value.status == 400 and error.value.param == "response_format"
+    with pytest.raises(APIError) as error:
+        structured(structured_outputs={"regex": "a", "choice": ["a"]})
+    assert error.value.param == "structured_outputs" and error.value.message.startswith("structured_outputs:")

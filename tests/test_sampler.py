@@ -1,13 +1,15 @@
 """Sampler against plain-Python references: greedy, filtered sampling sets, frequencies, seeds, penalties,
-min_tokens and logprobs."""
+min_tokens and logprobs. The per-row metadata comes from the InputBatch, as in the engine."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
+from sampling_metadata import metadata as batch_metadata
 
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.sampler import (Sampler, SamplingMetadata, apply_top_k_top_p, argmax, sample_inverse_cdf,
-                                     step_seed)
+from nanoserve.engine.structured_output import TokenBitmask
+from nanoserve.layers.sampler import Sampler, apply_top_k_top_p, argmax, sample_inverse_cdf, step_seed
 from nanoserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -15,13 +17,27 @@ EOS = 2
 
 def make_seq(prompt=(5, 6, 7), output=(), request_id="r", **params) -> Sequence:
     seq = Sequence(request_id, list(prompt), SamplingParams(**params), max_tokens=64)
-    for token in output:
-        seq.append_token(token)
+    seq.token_ids += output
     return seq
 
 
-def sample(logits, seqs, sampler=None, eos=EOS):
-    return (sampler or Sampler())(logits, SamplingMetadata.from_seqs(seqs, eos, "cpu"))
+def metadata(seqs, eos=EOS, bitmask=None):
+    return batch_metadata(seqs, eos, bitmask)
+
+
+def sample(logits, seqs, sampler=None, eos=EOS, bitmask=None):
+    """Sample, then read the tensors as the engine does: token ids, sampled logprobs, and per row that asks for
+    them, the top-n logprobs with the sampled token's."""
+    meta = metadata(seqs, eos, bitmask)
+    out = (sampler or Sampler())(logits, meta)
+    token_ids, logprobs = out.token_ids.tolist(), out.sampled_logprobs.tolist()
+    top, ranks = [None] * len(seqs), [None] * len(seqs)
+    for i, row in enumerate(meta.logprob_rows):
+        n = seqs[row].sampling_params.logprobs
+        entry = dict(zip(out.top_token_ids[i, :n].tolist(), out.top_logprobs[i, :n].tolist())) if n else {}
+        entry[token_ids[row]] = logprobs[row]
+        top[row], ranks[row] = entry, int(out.sampled_ranks[i])
+    return SimpleNamespace(token_ids=token_ids, sampled_logprobs=logprobs, top_logprobs=top, sampled_ranks=ranks)
 
 
 def random_logits(rows, vocab, seed=0, scale=3.0):
@@ -74,9 +90,9 @@ def log_softmax(values):
 def test_all_greedy_batch_is_argmax_and_builds_nothing():
     logits = random_logits(6, 50)
     seqs = [make_seq(temperature=0.0, top_k=5, top_p=0.5, request_id=str(i)) for i in range(6)]
-    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    meta = metadata(seqs)
     assert meta.all_greedy and meta.top_ks is None and meta.top_ps is None and meta.penalties is None
-    out = Sampler()(logits, meta)
+    out = sample(logits, seqs)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.top_logprobs == [None] * 6
 
@@ -223,7 +239,7 @@ def test_seeds_that_differ_only_in_high_bits_give_different_streams():
 def test_top_k_beyond_the_vocabulary_keeps_every_token():
     logits = random_logits(1, 50, seed=12).repeat(2, 1)
     seqs = [make_seq(top_k=2 ** 63 - 1, seed=3, request_id="a"), make_seq(top_k=-1, seed=3, request_id="b")]
-    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    meta = metadata(seqs, EOS)
     assert meta.top_ks is None and meta.max_top_k is None
     out = Sampler()(logits, meta)
     assert out.token_ids[0] == out.token_ids[1]  # same seed, same logits: the huge top-k filtered nothing
@@ -250,7 +266,7 @@ def penalty_batch():
 
 def test_penalties_match_the_formulas():
     logits, seqs = penalty_batch()
-    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    meta = metadata(seqs)
     edited = logits.clone()
     meta.penalties.apply(edited)
     for i, (prompt, output, r, pr, f) in enumerate(PENALTY_ROWS):
@@ -270,7 +286,7 @@ def test_logprobs_and_greedy_choice_see_the_penalized_logits():
 
 
 def test_no_penalty_metadata_without_penalties():
-    assert SamplingMetadata.from_seqs([make_seq(output=[1, 1])], EOS, "cpu").penalties is None
+    assert metadata([make_seq(output=[1, 1])]).penalties is None
 
 
 def test_min_tokens_masks_eos_and_stop_token_ids():
@@ -281,7 +297,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids():
         out = sample(logits, [seq])
         assert out.token_ids == ([3] if produced < 3 else [EOS])
     seq = make_seq(min_tokens=2, stop_token_ids=[7], ignore_eos=True)
-    meta = SamplingMetadata.from_seqs([seq], EOS, "cpu")
+    meta = metadata([seq])
     assert sorted(meta.banned[1].tolist()) == [EOS, 7]
     for _ in range(20):
         assert sample(logits, [seq]).token_ids[0] not in (EOS, 7)
@@ -298,8 +314,7 @@ def test_min_tokens_with_several_eos_ids_and_out_of_vocab_stop_ids():
     logits = torch.zeros(1, 10)
     logits[0, EOS], logits[0, 4], logits[0, 7] = 10.0, 9.0, 8.0
     seq = make_seq(min_tokens=1, stop_token_ids=[12, 2 ** 70], temperature=0.0)
-    meta = SamplingMetadata.from_seqs([seq], [EOS, 4], "cpu")
-    assert Sampler()(logits, meta).token_ids == [7]
+    assert sample(logits, [seq], eos=[EOS, 4]).token_ids == [7]
 
 
 # ---- logprobs --------------------------------------------------------------------------------------------
@@ -335,12 +350,15 @@ def test_logprobs_ignore_temperature_and_filters():
 
 def test_uniform_parameters_become_scalars_and_mixed_ones_tensors():
     same = [make_seq(temperature=0.8, top_p=0.9, request_id=str(i)) for i in range(3)]
-    meta = SamplingMetadata.from_seqs(same, EOS, "cpu")
-    assert meta.temperatures == 0.8 and meta.top_ps == pytest.approx(0.9) and meta.top_ks is None
-    mixed = [make_seq(temperature=t, top_k=k, request_id=str(i)) for i, (t, k) in enumerate([(0.0, 2), (0.5, -1)])]
-    meta = SamplingMetadata.from_seqs(mixed, EOS, "cpu")
-    assert meta.greedy.tolist() == [True, False]
-    assert meta.temperatures.view(-1).tolist() == [1.0, 0.5] and meta.top_ks.view(-1).tolist()[0] == 2
+    meta = metadata(same)
+    assert meta.temperatures == pytest.approx(0.8) and meta.top_ps == pytest.approx(0.9) and meta.top_ks is None
+    mixed = [make_seq(temperature=t, top_k=k, request_id=str(i)) for i, (t, k) in
+             enumerate([(0.0, 2), (0.5, -1), (0.75, 3)])]
+    meta = metadata(mixed)
+    assert meta.greedy.tolist() == [True, False, False]
+    assert meta.temperatures.view(-1).tolist() == [1.0, 0.5, 0.75] and meta.top_ks.view(-1).tolist()[2] == 3
+    assert meta.max_top_k is None  # row 1 has no top-k
+    assert metadata(mixed[:2]).top_ks is None  # only the greedy row sets one, and greedy rows ignore filters
 
 
 # ---- inverse CDF (unseeded rows) -------------------------------------------------------------------------
@@ -394,32 +412,6 @@ def test_sampled_logprobs_with_masked_tokens_are_log_softmax():
         assert out.sampled_logprobs[row] == pytest.approx(reference[kept.index(token)], abs=1e-5)
 
 
-# ---- metadata reuse across decode steps ------------------------------------------------------------------
-
-def test_refresh_equals_a_fresh_build_one_step_later():
-    seqs = [make_seq(output=[3], temperature=0.9, seed=5, request_id="seeded"),
-            make_seq(output=[3, 3], repetition_penalty=1.2, frequency_penalty=0.3, request_id="penalized"),
-            make_seq(output=[], min_tokens=2, stop_token_ids=[7], request_id="min_tokens"),
-            make_seq(temperature=0.0, logprobs=2, request_id="greedy")]
-    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
-    for seq in seqs:
-        seq.append_token(8)
-    refreshed, fresh = meta.refresh(seqs), SamplingMetadata.from_seqs(seqs, EOS, "cpu")
-    assert refreshed is not meta and refreshed.seeded == fresh.seeded != meta.seeded
-    assert torch.equal(refreshed.penalties.output_ids, fresh.penalties.output_ids)
-    assert torch.equal(refreshed.banned[1], fresh.banned[1]) and refreshed.logprobs == fresh.logprobs == [(3, 2)]
-    logits = random_logits(4, 12, seed=16)
-    assert Sampler(1)(logits, refreshed) == Sampler(1)(logits, fresh)
-    seqs[2].append_token(8)  # min_tokens reached: nothing banned any more
-    assert meta.refresh(seqs).banned is None and SamplingMetadata.from_seqs(seqs, EOS, "cpu").banned is None
-
-
-def test_refresh_reuses_metadata_that_does_not_follow_the_tokens():
-    seqs = [make_seq(temperature=0.8, top_k=5, logprobs=1, request_id=str(i)) for i in range(3)]
-    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
-    assert not meta.is_step_dependent and meta.refresh(seqs) is meta
-
-
 def test_top_k_candidates_give_the_same_filter_as_a_full_sort():
     logits = (random_logits(6, 200, seed=17) * 2).round() / 2  # coarse values: many ties at the cut
     logits[1, :150] = float("-inf")  # fewer finite logits than k
@@ -433,7 +425,37 @@ def test_top_k_candidates_give_the_same_filter_as_a_full_sort():
 
 def test_max_top_k_only_when_every_sampled_row_sets_top_k():
     def meta(*params):
-        return SamplingMetadata.from_seqs([make_seq(request_id=str(i), **p) for i, p in enumerate(params)], EOS)
+        return metadata([make_seq(request_id=str(i), **p) for i, p in enumerate(params)])
     assert meta(dict(top_k=5), dict(top_k=20)).max_top_k == 20
     assert meta(dict(top_k=5), dict(top_k=-1)).max_top_k is None
     assert meta(dict(top_k=5), dict(top_k=-1, temperature=0.0)).max_top_k == 5  # a greedy row ignores filters
+
+
+# ---- structured outputs -----------------------------------------------------------------------------------
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[N, V] bool -> [N, ceil(V / 32)] int32, bit j % 32 of word j // 32 set where token j is allowed."""
+    words = []
+    for row in allowed.tolist():
+        values = [sum(1 << bit for bit, ok in enumerate(row[start:start + 32]) if ok)
+                  for start in range(0, len(row), 32)]
+        words.append([value - (1 << 32) if value >= 1 << 31 else value for value in values])
+    return torch.tensor(words, dtype=torch.int32)
+
+
+def test_token_bitmask_confines_its_rows_and_no_other():
+    vocab, rows = 100, [1, 3, 4]  # 100: the last word is partly past the vocabulary
+    logits = random_logits(6, vocab, seed=21, scale=1.0)
+    allowed = torch.rand(6, vocab, generator=torch.Generator().manual_seed(22)) < 0.1
+    allowed[:, 7] = True  # every row allows something
+    seqs = [make_seq(temperature=0.0 if row in (3, 5) else 1.0, request_id=str(row)) for row in range(6)]
+    for seed in range(20):
+        masked = sample(logits, seqs, Sampler(seed), bitmask=TokenBitmask(pack_bitmask(allowed), rows))
+        plain = sample(logits, seqs, Sampler(seed))
+        for row, token_id in enumerate(masked.token_ids):
+            if row not in rows:
+                assert token_id == plain.token_ids[row]
+            elif row == 3:
+                assert token_id == int(logits[row].masked_fill(~allowed[row], -math.inf).argmax())
+            else:
+                assert allowed[row, token_id]

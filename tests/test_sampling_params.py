@@ -6,6 +6,7 @@ import pytest
 
 from nanoserve.sampling_params import (MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                        MAX_TOP_K, SamplingParams)
+from nanoserve.serving.request import json_object
 
 INVALID = [  # field, value
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "32"),
@@ -82,10 +83,14 @@ def test_stop_forms():
     assert SamplingParams(temperature=0).greedy
 
 
-# ---- from_dict / from_json ---------------------------------------------------------------------------------
+# ---- from_dict, and the JSON text serving parses ------------------------------------------------------------
+
+def from_json(text: str) -> SamplingParams:
+    return SamplingParams.from_dict(json_object("sampling_parameters", text))
+
 
 def test_strings_from_json_are_parsed():
-    params = SamplingParams.from_json(
+    params = from_json(
         '{"max_tokens": "32", "temperature": "0.5", "ignore_eos": "true", "top_k": " 4 ", "seed": "null",'
         ' "stop_token_ids": "[3, 4]", "skip_special_tokens": "False", "logprobs": "2", "min_p": "1e-2"}')
     assert params.max_tokens == 32 and params.temperature == 0.5 and params.ignore_eos is True
@@ -94,7 +99,7 @@ def test_strings_from_json_are_parsed():
 
 
 def test_native_json_types():
-    params = SamplingParams.from_json('{"max_tokens": 8, "temperature": 0, "stop": ["\\n\\n", "END"],'
+    params = from_json('{"max_tokens": 8, "temperature": 0, "stop": ["\\n\\n", "END"],'
                                       ' "include_stop_str_in_output": true, "seed": 3}')
     assert params.max_tokens == 8 and params.greedy and params.stop == ["\n\n", "END"]
     assert params.include_stop_str_in_output and params.seed == 3
@@ -107,7 +112,7 @@ def test_stop_string_is_taken_literally():
 
 
 def test_empty_json_gives_defaults():
-    assert SamplingParams.from_json("") == SamplingParams() == SamplingParams.from_json("  {} ")
+    assert from_json("") == SamplingParams() == from_json("  {} ")
 
 
 @pytest.mark.parametrize("params,field", [
@@ -120,6 +125,7 @@ def test_empty_json_gives_defaults():
     ({"stop_token_ids": '["a"]'}, "stop_token_ids"), ({"stop": 5}, "stop"), ({"stop": [1]}, "stop"),
     ({"min_tokens": "null"}, "min_tokens"), ({"temperature": None}, "temperature"), ({"n": "3"}, "n"),
     ({"bogus": 1}, "bogus"), ({"max_tokens": 8, "zzz": 1, "aaa": 2}, "aaa"),
+    ({"": 1}, "sampling_parameters"), ({" ": 1}, "sampling_parameters"),  # a blank name is quoted
 ])
 def test_from_dict_errors_name_the_field(params, field):
     with pytest.raises(ValueError) as error:
@@ -130,18 +136,18 @@ def test_from_dict_errors_name_the_field(params, field):
 @pytest.mark.parametrize("text", ['{"max_tokens": ', "not json", "{'max_tokens': 3}", '{"a" 1}'])
 def test_invalid_json(text):
     with pytest.raises(ValueError, match=r"^sampling_parameters: invalid JSON"):
-        SamplingParams.from_json(text)
+        from_json(text)
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"text"', "3", "null"])
 def test_json_that_is_not_an_object(text):
     with pytest.raises(ValueError, match=r"^sampling_parameters: expected a JSON object"):
-        SamplingParams.from_json(text)
+        from_json(text)
 
 
 def test_json_infinity_is_rejected():
     with pytest.raises(ValueError, match=r"^temperature:"):
-        SamplingParams.from_json('{"temperature": Infinity}')
+        from_json('{"temperature": Infinity}')
 
 
 def test_every_field_has_a_documented_range():

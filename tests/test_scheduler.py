@@ -1,11 +1,15 @@
-"""Scheduler: chunked prefill, token budget, preemption by recompute, prefix caching, admission checks."""
+"""Scheduler: chunked prefill, token budget, preemption by recompute, prefix caching, admission checks, and the
+diffs it sends the runners (applied to a real InputBatch, they must reproduce its rows)."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.input_batch import InputBatch
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
@@ -16,7 +20,9 @@ def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_m
     config = SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len, kvcache_block_size=block_size,
                              enable_prefix_caching=prefix_caching)
-    return Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
+    scheduler = Scheduler(config, BlockManager(num_blocks, block_size, prefix_caching))
+    scheduler.mirror = InputBatch(max_num_seqs, max_model_len, block_size)  # what a runner keeps from the diffs
+    return scheduler
 
 
 def add(scheduler: Scheduler, request_id: str, prompt, max_tokens=4) -> Sequence:
@@ -27,19 +33,44 @@ def add(scheduler: Scheduler, request_id: str, prompt, max_tokens=4) -> Sequence
     return seq
 
 
-def step(scheduler: Scheduler, next_token=7):
-    """schedule -> fake model (samples next_token on sampling rows) -> postprocess -> finish at max_tokens."""
-    plan = scheduler.schedule()
-    assert plan.num_batched_tokens <= scheduler.max_num_batched_tokens
-    assert len(plan.scheduled) <= scheduler.max_num_seqs
-    scheduler.check_rows()
-    sampling = plan.sampling_seqs  # before tokens are appended
-    plan.sampled = [seq.request_id for seq in sampling]
-    scheduler.postprocess(plan, [next_token] * len(sampling))  # appends the tokens
-    for seq in sampling:
+def check_mirror(batch: InputBatch, scheduler: Scheduler) -> None:
+    """After a SchedulerOutput is applied, the batch holds the running sequences, in order, with their tokens
+    and block tables."""
+    assert batch.req_ids == [seq.request_id for seq in scheduler.running]
+    for slot, seq in zip(batch.slots.tolist(), scheduler.running):
+        assert batch.num_prompt_tokens[slot] == seq.num_prompt_tokens
+        assert batch.token_ids[slot, :seq.num_tokens].tolist() == seq.token_ids
+        assert batch.block_tables[slot].tolist() == seq.block_table + [0] * (batch.block_tables.shape[1] -
+                                                                           len(seq.block_table))
+
+
+def check_blocks(scheduler: Scheduler) -> None:
+    computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
+    scheduler.block_manager.check_invariants(scheduler.running, computed)
+
+
+def step(scheduler: Scheduler, next_token=7, tokens=None):
+    """schedule -> the mirror applies the diffs and builds the step's inputs -> fake model (samples next_token,
+    or the next of `tokens`, on sampling rows) -> update -> finish at max_tokens."""
+    out = scheduler.schedule()
+    assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
+    assert out.num_rows == scheduler.num_running <= scheduler.max_num_seqs
+    out.rows = [(seq.request_id, int(start), int(n)) for seq, start, n in
+                zip(scheduler.running, out.num_computed_tokens, out.num_scheduled_tokens) if n]
+    scheduler.mirror.update(out)
+    check_mirror(scheduler.mirror, scheduler)
+    inputs = scheduler.mirror.prepare(out)
+    running = {seq.request_id: seq for seq in scheduler.running}
+    expected = [running[rid].token_ids[p] for rid, start, n in out.rows for p in range(start, start + n)]
+    assert inputs.input_ids.tolist() == expected
+    sampled = np.array([next_token if tokens is None else tokens.pop(0) for _ in range(out.num_sampled)])
+    seqs = scheduler.update(out, sampled).seqs
+    scheduler.check_columns()
+    out.sampled = [seq.request_id for seq in seqs]
+    for seq in seqs:
         if seq.num_output_tokens >= seq.max_tokens:
             scheduler.finish(seq, "length")
-    return plan
+    return out
 
 
 def run_to_completion(scheduler: Scheduler, max_steps=10_000) -> int:
@@ -53,8 +84,8 @@ def run_to_completion(scheduler: Scheduler, max_steps=10_000) -> int:
     return steps
 
 
-def rows(plan):
-    return [(s.seq.request_id, s.start_pos, s.num_new_tokens) for s in plan.scheduled]
+def rows(out):
+    return out.rows
 
 
 # ---------------------------------------------------------------- chunked prefill and budget
@@ -71,10 +102,10 @@ def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
         [("short", 4, 1), ("long", 7, 7)],
         [("short", 5, 1), ("long", 14, 6)],
     ]
-    assert not plans[0].is_decode_only
+    assert plans[0].num_prefill_tokens == 7
     assert plans[1].sampled == ["short"]  # a mid-prompt chunk samples nothing
     assert plans[2].sampled == ["short", "long"]
-    assert long.num_computed_tokens == 20 and long.num_output_tokens == 1
+    assert scheduler.num_computed_tokens(long) == 20 and long.num_output_tokens == 1
     assert rows(step(scheduler)) == [("short", 6, 1), ("long", 20, 1)]
     assert long.is_finished and long.finish_reason == "length"
     assert scheduler.prompt_tokens_computed == 23
@@ -86,8 +117,8 @@ def test_budget_and_max_num_seqs_are_respected():
     scheduler = make_scheduler(num_blocks=200, budget=16, max_num_seqs=3)
     seqs = [add(scheduler, f"r{i}", range(i, i + 5 + 3 * i), max_tokens=6) for i in range(8)]
     while scheduler.has_unfinished():
-        plan = step(scheduler)
-        assert plan.num_batched_tokens <= 16 and len(plan.scheduled) <= 3
+        out = step(scheduler)
+        assert out.num_batched_tokens <= 16 and len(out.rows) <= 3
         assert scheduler.num_running <= 3
     assert all(s.finish_reason == "length" and s.num_output_tokens == 6 for s in seqs)
     assert scheduler.num_preemptions == 0
@@ -102,7 +133,7 @@ def test_waiting_queue_is_fifo_and_does_not_skip_ahead():
     plan = step(scheduler)
     assert rows(plan) == [("big", 24, 1)]
     assert [s.request_id for s in scheduler.waiting] == ["blocked", "small"]
-    scheduler.block_manager.check_invariants(scheduler.running)  # the undone prefix taking leaked nothing
+    check_blocks(scheduler)  # the undone prefix taking leaked nothing
     run_to_completion(scheduler)
 
 
@@ -114,11 +145,11 @@ def test_newest_sequence_is_preempted_and_finishes_after_recompute():
     new = add(scheduler, "new", [5, 6, 7, 8], max_tokens=6)
     assert rows(step(scheduler)) == [("old", 0, 4), ("new", 0, 4)]  # 4 of 6 blocks used
     plan = step(scheduler)  # both cross into a third block: all 6 used
-    assert rows(plan) == [("old", 4, 1), ("new", 4, 1)] and not plan.preempted
+    assert rows(plan) == [("old", 4, 1), ("new", 4, 1)] and not plan.preempted_ids
     step(scheduler)
     plan = step(scheduler)  # old needs a 4th block, none free: the newest goes
-    assert plan.preempted == [new] and rows(plan) == [("old", 6, 1)]
-    assert new.status == SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert plan.preempted_ids == ["new"] and rows(plan) == [("old", 6, 1)]
+    assert new.status == SequenceStatus.WAITING and new.block_table == [] and scheduler.num_computed_tokens(new) == 0
     assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
     generated_before = new.output_token_ids
     recompute_rows = []
@@ -171,7 +202,7 @@ def test_running_sequences_share_a_prefix_while_both_are_live():
     step(scheduler)
     assert b.num_cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
     assert scheduler.prompt_tokens_computed == 18 + 1
-    scheduler.block_manager.check_invariants(scheduler.running)
+    check_blocks(scheduler)
     run_to_completion(scheduler)
 
 
@@ -186,8 +217,8 @@ def test_preempted_sequence_reuses_its_own_cached_blocks():
     assert scheduler.block_manager.num_cached_blocks >= 4  # its 4 full blocks stay cached while free
     while new.status == SequenceStatus.WAITING:
         plan = step(scheduler)
-    restart = next(s for s in plan.scheduled if s.seq is new)
-    assert restart.start_pos == new.num_cached_tokens > 0  # resumed from its own cached prefix
+    (restart,) = [start for request_id, start, _ in rows(plan) if request_id == "new"]
+    assert restart == new.num_cached_tokens > 0  # resumed from its own cached prefix
     run_to_completion(scheduler)
     assert new.num_output_tokens == 4
 
@@ -204,16 +235,6 @@ def test_abort_waiting_and_running_frees_blocks():
     assert scheduler.abort("run") is running and running.block_table == []
     assert scheduler.abort("run") is None and scheduler.abort("nope") is None
     assert not scheduler.has_unfinished()
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
-
-
-def test_aborted_between_schedule_and_postprocess_is_skipped():
-    scheduler = make_scheduler()
-    add(scheduler, "a", range(10))
-    plan = scheduler.schedule()
-    scheduler.abort("a")
-    scheduler.postprocess(plan, [7])
-    assert scheduler.prompt_tokens_computed == 0
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
 
 
@@ -235,133 +256,79 @@ def test_admission_errors_name_the_field():
     scheduler.check_admissible(1, 1)
 
 
-# ---------------------------------------------------------------- decode fast path
+# ---------------------------------------------------------------- the diffs of a step
 
-class GeneralPathScheduler(Scheduler):
-    """The scheduler with its decode fast path turned off: the reference the fast path must agree with."""
-
-    def _schedule_decode(self):
-        return None
-
-
-def test_decode_steps_use_the_fast_path_and_describe_the_same_work():
+def test_a_decode_step_sends_no_new_sequences_and_only_the_blocks_that_grow():
     scheduler = make_scheduler(block_size=4)
     seqs = [add(scheduler, f"r{i}", range(i, i + 3 + i), max_tokens=10) for i in range(3)]
-    assert step(scheduler).decode is None  # prefill
-    plan = step(scheduler)
-    assert plan.decode is not None and plan.is_decode_only and plan.num_prefill_tokens == 0
-    assert plan.num_batched_tokens == plan.num_seqs == 3 and bool(plan)
-    assert plan.sampling_seqs == seqs == [s.seq for s in plan.scheduled]
-    assert rows(plan) == [(s.request_id, s.num_tokens - 2, 1) for s in seqs]  # tokens were appended since
-    assert plan.decode.input_ids.tolist() == [s.token_ids[-2] for s in seqs]
-    assert plan.decode.block_tables.tolist() == [s.block_table + [0] * (2 - len(s.block_table)) for s in seqs]
+    first = step(scheduler)
+    assert [new.request_id for new in first.new_seqs] == ["r0", "r1", "r2"]
+    assert [new.block_ids for new in first.new_seqs] == [s.block_table for s in seqs]
+    out = step(scheduler, next_token=5)  # positions 3, 4, 5: r1 (5 tokens) crosses into its second block
+    assert not out.new_seqs and not out.finished_ids and out.num_prefill_tokens == 0
+    assert out.new_token_ids.tolist() == [7, 7, 7]  # the first step's tokens, for the runners
+    assert out.num_computed_tokens.tolist() == [3, 4, 5] and out.num_scheduled_tokens.tolist() == [1, 1, 1]
+    assert out.samples.all() and out.new_block_ids == [(1, seqs[1].block_table[1:])]
+    assert step(scheduler).new_token_ids.tolist() == [5, 5, 5]
 
 
-def test_the_last_prompt_token_left_by_a_chunk_is_not_a_decode():
+def test_the_last_prompt_token_left_by_a_chunk_is_a_prefill_token():
     scheduler = make_scheduler(budget=5)
     seq = add(scheduler, "p", range(6), max_tokens=3)
     assert rows(step(scheduler)) == [("p", 0, 5)]
-    plan = step(scheduler)  # one prompt token left: a one-token step, but a prefill
-    assert plan.decode is None and rows(plan) == [("p", 5, 1)] and plan.sampled == ["p"]
-    assert plan.num_prefill_tokens == 1 and scheduler.prompt_tokens_computed == 6
-    assert step(scheduler).decode is not None and seq.num_output_tokens == 2
+    out = step(scheduler)  # one prompt token left: a one-token step, but a prefill
+    assert rows(out) == [("p", 5, 1)] and out.sampled == ["p"]
+    assert out.num_prefill_tokens == 1 and scheduler.prompt_tokens_computed == 6
+    assert step(scheduler).num_prefill_tokens == 0 and seq.num_output_tokens == 2
 
 
-def test_admission_next_to_decodes_leaves_the_fast_path():
-    scheduler = make_scheduler(budget=8)
-    add(scheduler, "a", range(3), max_tokens=10)
+def test_finished_and_aborted_rows_leave_with_the_next_step():
+    scheduler = make_scheduler(block_size=2, max_num_seqs=3)
+    for name in "abc":
+        add(scheduler, name, range(3), max_tokens=8)
+    waiting = add(scheduler, "waiting", range(3), max_tokens=8)
     step(scheduler)
-    add(scheduler, "b", range(10, 14), max_tokens=3)
-    plan = step(scheduler)
-    assert plan.decode is None and rows(plan) == [("a", 3, 1), ("b", 0, 4)]
+    scheduler.abort("b")
+    assert scheduler.abort("waiting") is waiting  # never ran: no row to remove
+    scheduler.finish(scheduler.running[0], "stop")
+    out = step(scheduler)
+    assert out.finished_ids == ["b", "a"] and rows(out) == [("c", 3, 1)] and not out.new_seqs
 
 
-def lockstep_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
-                      prefix_caching: bool, steps: int = 120):
-    """Drive a fast-path scheduler and a general-path one with the same random requests, aborts and tokens;
-    every plan, preemption, block table and counter must be the same."""
-    import random
+def test_update_after_the_running_sequences_changed_is_refused():
+    scheduler = make_scheduler()
+    add(scheduler, "a", range(10))
+    out = scheduler.schedule()
+    scheduler.abort("a")
+    with pytest.raises(AssertionError):
+        scheduler.update(out, np.array([7]))
 
+
+def random_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
+                    prefix_caching: bool, steps: int = 120) -> Scheduler:
+    """Random requests, aborts and tokens; every step the mirror batch follows the diffs (checked in step)."""
     rng = random.Random(seed)
-    config = dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, budget=budget,
-                  max_model_len=64, prefix_caching=prefix_caching)
-    fast = make_scheduler(**config)
-    slow = make_scheduler(**config)
-    slow.__class__ = GeneralPathScheduler
-    used_fast_path = carried = 0
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                               budget=budget, max_model_len=64, prefix_caching=prefix_caching)
     for i in range(steps):
         if rng.random() < 0.25:
             prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
-            max_tokens = rng.randrange(1, 20)
             try:
-                fast.check_admissible(len(prompt), max_tokens)
+                add(scheduler, f"r{i}", prompt, rng.randrange(1, 20))
             except ValueError:
                 continue
-            for scheduler in (fast, slow):
-                add(scheduler, f"r{i}", prompt, max_tokens)
-        if rng.random() < 0.05 and fast.running:
-            victim = rng.choice(fast.running).request_id
-            assert fast.abort(victim).request_id == slow.abort(victim).request_id
-        if not fast.has_unfinished():
-            continue
-        next_token = rng.randrange(3)
-        carried += fast.rows.carry is not None
-        plan_fast, plan_slow = step(fast, next_token), step(slow, next_token)
-        used_fast_path += plan_fast.decode is not None
-        assert plan_slow.decode is None
-        assert rows(plan_fast) == rows(plan_slow) and plan_fast.sampled == plan_slow.sampled
-        assert [s.request_id for s in plan_fast.preempted] == [s.request_id for s in plan_slow.preempted]
-        assert plan_fast.num_prefill_tokens == plan_slow.num_prefill_tokens
-        assert [s.block_table for s in fast.running] == [s.block_table for s in slow.running]
-        assert [s.request_id for s in fast.waiting] == [s.request_id for s in slow.waiting]
-        assert list(fast.block_manager.free_block_ids) == list(slow.block_manager.free_block_ids)
-        assert (fast.num_preemptions, fast.prompt_tokens_computed, fast.prefix_cache_hit_tokens) == \
-            (slow.num_preemptions, slow.prompt_tokens_computed, slow.prefix_cache_hit_tokens)
-        fast.check_rows()
-        fast.block_manager.check_invariants(fast.running)
-    assert carried > 0
-    return used_fast_path
+        if rng.random() < 0.05 and scheduler.running:
+            scheduler.abort(rng.choice(scheduler.running).request_id)
+        if scheduler.has_unfinished():
+            step(scheduler, rng.randrange(3))
+            check_blocks(scheduler)
+    return scheduler
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_decode_fast_path_agrees_with_the_general_path(seed):
+@pytest.mark.parametrize("seed", range(8))
+def test_diffs_reproduce_the_running_rows(seed):
     # small pools preempt, small budgets chunk prefills and limit decodes, big ones decode many at once
     num_blocks, block_size, max_num_seqs, budget = [(12, 2, 4, 6), (40, 4, 8, 64), (20, 1, 6, 5),
                                                     (64, 8, 16, 32)][seed % 4]
-    used = lockstep_workload(seed, num_blocks, block_size, max_num_seqs, budget, prefix_caching=seed % 3 != 0)
-    assert used > 0
-
-
-def test_aborted_between_schedule_and_postprocess_of_a_decode_step_is_skipped():
-    scheduler = make_scheduler(block_size=2)
-    a, b = add(scheduler, "a", range(3), max_tokens=8), add(scheduler, "b", range(4), max_tokens=8)
-    step(scheduler)
-    plan = scheduler.schedule()
-    assert plan.decode is not None
-    scheduler.abort("a")
-    scheduler.postprocess(plan, [7, 8])
-    assert a.num_computed_tokens == 0 and a.block_table == [] and b.num_computed_tokens == 5
-    assert a.num_tokens == 4 and b.token_ids[-1] == 8  # the aborted row gets no token
-    scheduler.check_rows()
-    scheduler.block_manager.check_invariants(scheduler.running)
-
-
-def test_decode_positions_and_tokens_carry_over_to_the_next_decode_step():
-    scheduler = make_scheduler(block_size=2)
-    a, b, c = (add(scheduler, name, range(3), max_tokens=8) for name in "abc")
-    step(scheduler)
-    assert scheduler.rows.carry is None  # a prefill step: nothing to carry
-    step(scheduler, next_token=5)
-    assert scheduler.rows.carry is not None  # a decode step with its sampled tokens
-    scheduler.check_rows()  # carried positions and tokens equal the sequences'
-    plan = scheduler.schedule()
-    assert plan.decode.positions.tolist() == [4, 4, 4] and plan.decode.input_ids.tolist() == [5, 5, 5]
-    scheduler.abort("a")  # between schedule and postprocess: b and c get their tokens, nothing is carried
-    scheduler.postprocess(plan, [6, 7, 8])
-    assert a.token_ids[-1] == 5 and (b.token_ids[-1], c.token_ids[-1]) == (7, 8) and scheduler.rows.carry is None
-    scheduler.check_rows()
-    step(scheduler)
-    scheduler.abort("b")  # after postprocess: its row leaves the carried arrays too
-    assert scheduler.rows.carry is not None
-    scheduler.check_rows()
-    assert scheduler.schedule().decode.input_ids.tolist() == [7]
+    scheduler = random_workload(seed, num_blocks, block_size, max_num_seqs, budget, prefix_caching=seed % 3 != 0)
+    run_to_completion(scheduler)

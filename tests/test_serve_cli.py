@@ -181,6 +181,7 @@ def test_the_line_that_matters_in_a_tritonserver_log():
                                                      "exceeds the model's max_position_embeddings (2048)")
     busy = ('E1125 07:32:44.5 9881 grpc_server.cc:2466] "Failed to start GRPC service: Unavailable - Socket '
             '\'127.0.0.1:8001\' already in use"\nerror: creating server: Internal - failed to start\n')
-    assert triton_log.failure(busy) == "Failed to start GRPC service: Unavailable - Socket '127.0.0.1:8001' already in use"
+    assert triton_log.failure(busy) == ("Failed to start GRPC service: Unavailable - Socket '127.0.0.1:8001' "
+                                        "already in use")
     assert triton_log.failure("error: creating server: Internal - x\n") == "creating server: Internal - x"
     assert triton_log.failure("I1125 fine\n") is None

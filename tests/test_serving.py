@@ -8,6 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 from serving_utils import collect, http_post, is_ready, metrics_when, open_stream, sse_events, stream, triton
@@ -139,6 +140,22 @@ BAD_INPUTS = [  # (inputs, request parameters, the field the error must name)
 ]
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_structured_outputs_json_follows_its_schema(server, as_text):
+    """vllm_backend's sampling parameter: a JSON object, or the same as a JSON string."""
+    spec = {"json": PERSON}
+    out = stream(server, MODEL, text_input=PROMPTS[1], stream=True, return_finish_reason=True,
+                 sampling_parameters={"temperature": 1.0, "seed": 5, "max_tokens": 100,
+                                      "structured_outputs": json.dumps(spec) if as_text else spec})
+    assert out.error is None and out.responses[-1]["finish_reason"].tolist() == [b"stop"]
+    jsonschema.validate(json.loads(out.text), PERSON)
+
+
 def test_bad_inputs_name_the_field_while_a_good_stream_completes(server, offline):
     # gRPC streams carry an error's message but not its code: the HTTP test below checks the code.
     prompt = PROMPTS[1]
@@ -165,6 +182,10 @@ def test_bad_inputs_name_the_field_while_a_good_stream_completes(server, offline
     ({"text_input": "Hi", "parameters": {"top_p": 1.5}}, "top_p"),
     ({"text_input": "Hi", "parameters": {"min_tokens": "lots"}}, "min_tokens"),
     ({"text_input": "Hi", "sampling_parameters": "[" * 100_000}, "sampling_parameters"),  # was a 500 + traceback
+    ({"text_input": "Hi", "sampling_parameters": json.dumps({"structured_outputs": {"regex": "(a"}})},
+     "structured_outputs"),  # does not compile
+    ({"text_input": "Hi", "sampling_parameters": json.dumps({"structured_outputs": {"regex": "a", "choice": ["a"]}})},
+     "structured_outputs"),
 ])
 def test_bad_inputs_over_http_are_invalid_arg(server, body, field):
     status, reply = http_post(server, f"/v2/models/{MODEL}/generate", body)

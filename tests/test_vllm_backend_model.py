@@ -17,7 +17,8 @@ CONFIG = """backend: "nanoserve"
 instance_group [{ count: 1, kind: KIND_MODEL }]
 parameters { key: "send_every_step" value: { string_value: "true" } }
 """
-NEVER = "never-matching stop string " * 9  # longer than any 12-token text (stop strings: at most 256 chars): all of it is held back to the end
+# longer than any 12-token text (stop strings: at most 256 chars): all of it is held back to the end
+NEVER = "never-matching stop string " * 9
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """nanoserve: a small continuous-batching LLM engine, served through NVIDIA Triton Inference Server."""
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name):
@@ -10,4 +10,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 import torch
+from transformers import AutoConfig
 
 from nanoserve.models.gguf import as_checkpoint_dir
 
@@ -70,6 +71,9 @@ class EngineConfig:
         for name in ("max_model_len", "num_kvcache_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
+        if self.attention_backend == "flash_attn" and self.kvcache_block_size % 256:
+            raise ValueError(f"kvcache_block_size: attention_backend='flash_attn' needs a multiple of 256 "
+                             f"(flash-attn's paged KV), got {self.kvcache_block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kvcache_space_gib <= 0:
@@ -78,8 +82,6 @@ class EngineConfig:
         self._load_hf_config()
 
     def _load_hf_config(self):
-        from transformers import AutoConfig
-
         self.hf_config = AutoConfig.from_pretrained(self.model)
         limit = getattr(self.hf_config, "max_position_embeddings", 8192)
         if self.max_model_len is None:

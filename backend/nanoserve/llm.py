@@ -52,10 +52,7 @@ class LLM:
                 outputs[request_id] = CompletionOutput(prompt)
             self._run(outputs, params, use_tqdm)
         finally:
-            for request_id in list(self.engine.requests):  # an error mid-batch must not leak blocks
-                if request_id in outputs:
-                    self.engine.abort_request(request_id)
-            self.engine.pending_outputs.clear()
+            self.engine.abort_all()  # an error mid-batch must not leak blocks
         return list(outputs.values())
 
     def _run(self, outputs: dict[str, CompletionOutput], params: list[SamplingParams], use_tqdm: bool) -> None:

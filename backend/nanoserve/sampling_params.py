@@ -17,6 +17,57 @@ MAX_SEED = 2 ** 64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: the output follows exactly one of a JSON schema (`json`: an object or its
+    JSON text), a regular expression, a `choice` of strings, a `grammar` (EBNF/GBNF with `root ::= ...`, or Lark
+    with `start: ...`), or any JSON object (`json_object`). JSON whitespace is bounded unless
+    disable_any_whitespace is false (vLLM's default is unbounded: a sample could then fill max_tokens with blanks).
+    Only the shape is checked here; whether the schema, regex or grammar compiles is checked by the engine."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self):
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
+                             f"{', '.join(given) or 'none'}")
+        if self.json is not None:
+            self.json = _json_object("structured_outputs: json", self.json, "a JSON schema object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs: choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None:
+            _check_bool("structured_outputs: json_object", self.json_object)
+        _check_bool("structured_outputs: disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+    @classmethod
+    def from_value(cls, value) -> "StructuredOutputsParams | None":
+        """From what a request carries: a JSON object (None values count as absent, as vLLM's clients send
+        them), its JSON text, or an instance."""
+        if value is None or isinstance(value, cls):
+            return value
+        value = _json_object("structured_outputs", value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**{name: v for name, v in value.items() if v is not None})
 
 
 @dataclass
@@ -39,12 +90,14 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None  # or its JSON object / JSON text
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         self._validate()
 
     @property
@@ -97,16 +150,9 @@ class SamplingParams:
         kinds = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(params) - set(kinds))
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
+            name = unknown[0] if unknown[0].strip() else f"sampling_parameters: {unknown[0]!r}"  # a blank key
+            raise ValueError(f"{name}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
         return cls(**{name: _parse(name, kinds[name], value) for name, value in params.items()})
-
-    @classmethod
-    def from_json(cls, text: str) -> "SamplingParams":
-        try:
-            params = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"sampling_parameters: invalid JSON ({e.msg} at char {e.pos})") from None
-        return cls.from_dict(params)
 
 
 def _parse(name: str, kind: str, value):
@@ -127,6 +173,18 @@ def _parse(name: str, kind: str, value):
             return json.loads(text)
     except ValueError:
         raise ValueError(f"{name}: cannot parse {value!r} as {kind.split(' ')[0]}") from None
+    return value
+
+
+def _json_object(name: str, value, what: str = "a JSON object") -> dict:
+    """A JSON object given as a dict or as its JSON text -> the dict; ValueError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
     return value
 
 

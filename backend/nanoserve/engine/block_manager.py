@@ -3,17 +3,29 @@
 A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
 hashes mean equal prefixes. Freed blocks keep their hash and stay findable until they are reused for other
 content; free blocks are reused least-recently-freed first.
+
+Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks
+(parallel sampling would share a prompt's blocks between its samples the same way).
 """
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
 
+import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
 
 NO_HASH = -1
+
+
+def block_offset(positions: np.ndarray, block_size: int) -> np.ndarray:
+    """positions % block_size, by a mask when block_size is a power of two (the usual case): numpy's integer
+    division is several times slower."""
+    if block_size & (block_size - 1):
+        return positions % block_size
+    return positions & (block_size - 1)
 
 
 def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
@@ -68,7 +80,7 @@ class BlockManager:
         """Give a newly admitted sequence the longest run of cached blocks matching its tokens; returns the
         number of tokens hit. The block holding the last token is never taken, so at least one token is
         computed (its logits are needed to sample)."""
-        assert not seq.block_table and seq.num_computed_tokens == 0, seq
+        assert not seq.block_table, seq
         hit_blocks = self._find_cached_prefix(seq.token_ids) if self.enable_prefix_caching else []
         for block in hit_blocks:
             if block.ref_count == 0:
@@ -76,14 +88,12 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = [block.block_id for block in hit_blocks]
         hit_tokens = len(hit_blocks) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = hit_tokens
         self.prefix_cache_hit_tokens += hit_tokens
         return hit_tokens
 
-    def undo_cached_prefix(self, seq: Sequence) -> None:
+    def undo_cached_prefix(self, seq: Sequence, hit_tokens: int) -> None:
         """Give back what allocate_cached_prefix took when the sequence cannot be admitted after all."""
-        self.prefix_cache_hit_tokens -= seq.num_cached_tokens
-        seq.num_cached_tokens = 0
+        self.prefix_cache_hit_tokens -= hit_tokens
         self.free(seq)
 
     def _find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
@@ -100,17 +110,18 @@ class BlockManager:
         return hits
 
     # ---- growth ----
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Blocks to add so the table covers num_computed_tokens + num_new_tokens positions."""
-        covered = seq.num_computed_tokens + num_new_tokens
-        return max(0, (covered + self.block_size - 1) // self.block_size - len(seq.block_table))
+    def num_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so the table covers positions 0 .. num_tokens - 1."""
+        return max(0, (num_tokens + self.block_size - 1) // self.block_size - len(seq.block_table))
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_block_ids)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        for _ in range(self.num_blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free_block())
+    def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Append the blocks num_blocks_needed asks for; returns their ids."""
+        new_ids = [self._take_free_block() for _ in range(self.num_blocks_needed(seq, num_tokens))]
+        seq.block_table += new_ids
+        return new_ids
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
@@ -125,14 +136,14 @@ class BlockManager:
         return block_id
 
     # ---- after a step ----
-    def cache_full_blocks(self, seq: Sequence) -> None:
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Hash and register the blocks that became full and computed since the last call.
 
         Hashed blocks always form a prefix of the table, so the first unhashed one is found by walking back
         from the last full block: O(1) on a decode step."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = num_computed_tokens // self.block_size
         table, blocks = seq.block_table, self.blocks
         first_unhashed = num_full
         while first_unhashed > 0 and blocks[table[first_unhashed - 1]].hash == NO_HASH:
@@ -158,11 +169,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
 
     # ---- testing aid ----
-    def check_invariants(self, live_seqs: list[Sequence]) -> None:
-        """Assert the bookkeeping is consistent with the sequences that hold blocks (O(blocks + tokens))."""
+    def check_invariants(self, live_seqs: list[Sequence], num_computed: dict[str, int]) -> None:
+        """Assert the bookkeeping is consistent with the sequences that hold blocks, whose computed token counts
+        num_computed gives by request id (O(blocks + tokens))."""
         ref_counts = [0] * len(self.blocks)
         for seq in live_seqs:
             assert len(set(seq.block_table)) == len(seq.block_table), f"block repeated in {seq}"
@@ -177,17 +188,17 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.hash == block_hash and len(block.token_ids) == self.block_size, block
         for seq in live_seqs:
-            self._check_table_hashes(seq)
+            self._check_table_hashes(seq, num_computed.get(seq.request_id, 0))
 
-    def _check_table_hashes(self, seq: Sequence) -> None:
+    def _check_table_hashes(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Hashed blocks form a prefix of the table and each matches the sequence's content and chain."""
         num_hashed = sum(self.blocks[b].hash != NO_HASH for b in seq.block_table)
         if self.enable_prefix_caching:  # every full computed block is registered after a step
-            assert num_hashed == seq.num_computed_tokens // self.block_size, seq
+            assert num_hashed == num_computed_tokens // self.block_size, seq
         prev_hash = NO_HASH
         for i, block_id in enumerate(seq.block_table[:num_hashed]):
             block = self.blocks[block_id]
-            assert (i + 1) * self.block_size <= seq.num_computed_tokens, (seq, block)
+            assert (i + 1) * self.block_size <= num_computed_tokens, (seq, block)
             expected_tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
             assert block.token_ids == expected_tokens, (seq, block)
             assert block.hash == chain_hash(prev_hash, expected_tokens), (seq, block)

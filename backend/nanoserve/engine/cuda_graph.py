@@ -32,7 +32,7 @@ import bisect
 
 import torch
 
-from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.attention import AttentionBackend, AttentionBatch
 
 PAD_SLOT = -1
 PAD_SEQ_LEN = 0
@@ -55,27 +55,10 @@ def fits_graph(buckets: list[int], max_blocks: int, batch_size: int, table_width
     return decode_only and 0 < batch_size and table_width <= max_blocks and pick_bucket(buckets, batch_size) is not None
 
 
-def backend_is_capturable(backend: str) -> bool:
-    """False for the torch reference attention (and flash_attn without the Triton KV store): they synchronize
-    with the host, which a capture cannot do."""
-    from nanoserve.layers.activation import cuda_op
-
-    return backend == "triton" or (backend == "flash_attn" and cuda_op("store_kvcache") is not None)
-
-
-def check_capturable(model: torch.nn.Module) -> None:
-    """Raises when an attention layer's backend synchronizes with the host."""
-    for layer in model.modules():
-        if isinstance(layer, Attention) and not backend_is_capturable(layer.backend):
-            raise ValueError(f"attention_backend={layer.backend!r} synchronizes with the host here (the torch "
-                             "reference attention / KV store) and cannot run in a CUDA graph: use "
-                             "attention_backend='triton', or enforce_eager=True")
-
-
 class CUDAGraphRunner:
-    def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int, max_seq_len: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.model = model
+    def __init__(self, model, backend: AttentionBackend, max_num_seqs: int, max_blocks_per_seq: int,
+                 max_seq_len: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.backend = model, backend
         self.buckets = decode_buckets(max_num_seqs)
         self.max_blocks = max_blocks_per_seq
         self.max_seq_len = max_seq_len  # max_model_len: a bound on every seq_len a replay will see
@@ -91,21 +74,23 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._used_rows = 0  # rows [0, _used_rows) hold the last replay's inputs; the rest hold padding
 
-    def _metadata(self, bucket: int) -> AttentionMetadata:
+    def _batch(self, bucket: int) -> AttentionBatch:
         # max_seq_len is the static bound, never the capture batch's own maximum: the decode split count it
         # caps is frozen into the graph and must suit every later replay
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bucket],
-                                 query_start_loc=self.query_start_loc[:bucket + 1],
-                                 seq_lens=self.seq_lens[:bucket], block_tables=self.block_tables[:bucket],
-                                 max_query_len=1, max_seq_len=self.max_seq_len, is_decode_only=True)
+        return AttentionBatch(self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1], self.seq_lens[:bucket],
+                              self.block_tables[:bucket], max_query_len=1, max_seq_len=self.max_seq_len)
 
     def _forward(self, bucket: int) -> None:
-        """The captured work: the model on the first `bucket` rows of the static buffers."""
-        self.outputs[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], self._metadata(bucket))
+        """The captured work: the backend's metadata and the model on the first `bucket` rows of the buffers."""
+        meta = self.backend.build(self._batch(bucket))
+        self.outputs[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
 
     @torch.inference_mode()
     def capture(self) -> "CUDAGraphRunner":
-        check_capturable(self.model)
+        if not self.backend.capturable:
+            raise ValueError(f"attention_backend={self.backend.name!r} synchronizes with the host here (the torch "
+                             "reference attention / KV store) and cannot run in a CUDA graph: use "
+                             "attention_backend='triton', or enforce_eager=True")
         pool = None
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs fit in its pool
             graph = self._capture_one(bucket, pool)
@@ -126,26 +111,26 @@ class CUDAGraphRunner:
     def can_run(self, batch_size: int, table_width: int, decode_only: bool) -> bool:
         return fits_graph(self.buckets, self.max_blocks, batch_size, table_width, decode_only)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Replay for a decode batch that `can_run`; returns hidden states [batch, hidden]: a view of the
         static output buffer, valid until the next replay (the caller computes logits from it first)."""
-        batch = input_ids.shape[0]
-        if meta.seq_lens.shape[0] != batch:
-            raise ValueError(f"a graphed decode step needs one token per sequence: {batch} tokens for "
-                             f"{meta.seq_lens.shape[0]} sequences")
-        self._load_inputs(input_ids, positions, meta)
-        self.graphs[pick_bucket(self.buckets, batch)].replay()
-        return self.outputs[:batch]
+        num_rows = input_ids.shape[0]
+        if batch.seq_lens.shape[0] != num_rows:
+            raise ValueError(f"a graphed decode step needs one token per sequence: {num_rows} tokens for "
+                             f"{batch.seq_lens.shape[0]} sequences")
+        self._load_inputs(input_ids, positions, batch)
+        self.graphs[pick_bucket(self.buckets, num_rows)].replay()
+        return self.outputs[:num_rows]
 
-    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
-        batch, width = input_ids.shape[0], meta.block_tables.shape[1]
-        self.input_ids[:batch].copy_(input_ids, non_blocking=True)
-        self.positions[:batch].copy_(positions, non_blocking=True)
-        self.slot_mapping[:batch].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
+    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> None:
+        rows, width = input_ids.shape[0], batch.block_tables.shape[1]
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:rows].copy_(batch.slot_mapping, non_blocking=True)
+        self.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
         # columns past `width` keep stale block ids: a row reads only its first ceil(seq_len / block) entries
-        self.block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)
-        if self._used_rows > batch:  # rows of an earlier, bigger batch become padding again
-            self.slot_mapping[batch:self._used_rows].fill_(PAD_SLOT)
-            self.seq_lens[batch:self._used_rows].fill_(PAD_SEQ_LEN)
-        self._used_rows = batch
+        self.block_tables[:rows, :width].copy_(batch.block_tables, non_blocking=True)
+        if self._used_rows > rows:  # rows of an earlier, bigger batch become padding again
+            self.slot_mapping[rows:self._used_rows].fill_(PAD_SLOT)
+            self.seq_lens[rows:self._used_rows].fill_(PAD_SEQ_LEN)
+        self._used_rows = rows

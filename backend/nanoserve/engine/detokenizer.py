@@ -20,18 +20,16 @@ import codecs
 import weakref
 from collections.abc import Sequence
 
+from tokenizers import decoders
+
 REPLACEMENT = "\ufffd"
 MAX_WINDOW = 12  # tokens decoded per step before the window start moves up to the previous commit
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 continue_prompt: bool = False, prompt_context: int = 6):
-        """continue_prompt=True decodes the output after the last prompt_context prompt tokens, so the first
-        output token keeps the leading space a SentencePiece tokenizer gives it after the prompt (the text
-        then continues the prompt's, as OpenAI-style completions do, instead of equalling
-        tokenizer.decode(output_ids)). Byte-level BPE gives the same text either way."""
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: Sequence[str] = (),
+                 include_stop_str_in_output: bool = False):
+        """Decodes a request's output ids: the deltas concatenate to tokenizer.decode(output_ids)."""
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
         self._id_to_token = _id_to_token_fn(tokenizer)
         tables = _byte_tables(tokenizer, skip_special_tokens)  # None: not byte-level, use the window
@@ -44,15 +42,10 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_matched: str | None = None
         self._hold = withheld_chars(self.stop)
-        self._ids: list[int] = list(prompt_token_ids[-prompt_context:]) if continue_prompt and prompt_context else []
-        if self._bytes is not None:
-            self._decode_bytes(self._ids)  # as context only a split character's start matters
-            self._ids = []
-        context = self._decode(self._ids) if self._ids else ""
+        self._ids: list[int] = []  # window path: the output ids
         self._start = 0  # window start: a token index where the decoded text splits cleanly
-        self._sent = len(context.rstrip(REPLACEMENT))  # chars of the window's text already committed
-        # token index up to which the text is committed (0 if the prompt ends inside a character)
-        self._committed_at = 0 if context.endswith(REPLACEMENT) else len(self._ids)
+        self._sent = 0  # chars of the window's text already committed
+        self._committed_at = 0  # token index up to which the text is committed
         self._held = ""  # committed text withheld for stop-string matching
         self._parts: list[str] = []  # released text
         self._flushed = False
@@ -226,8 +219,6 @@ def _whole_char_texts(table: list[bytes]) -> list[str | None]:
 
 
 def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
-    from tokenizers import decoders
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
             or not isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)):

@@ -1,10 +1,13 @@
 """One request inside the engine: its tokens, KV blocks and progress."""
 from __future__ import annotations
 
-import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.engine.structured_output import Grammar
 
 
 class SequenceStatus(Enum):
@@ -15,36 +18,29 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
-                 "block_table", "num_computed_tokens", "num_cached_tokens", "finish_reason", "arrival_time",
-                 "logprobs", "logprob_ranks", "cumulative_logprob")  # slots: every step reads and writes these for every sequence
+                 "block_table", "num_cached_tokens", "finish_reason", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, arrival_time: float | None = None):
+                 max_tokens: int, grammar: Grammar | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never None inside the engine
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_cached_tokens = 0  # of those, taken from the prefix cache at the last admission
+        self.block_table: list[int] = []  # KV blocks; how many tokens they hold is the scheduler's business
+        self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
-        self.logprob_ranks: list[int] = []  # per generated token: its rank in the vocabulary (with logprobs)
-        self.cumulative_logprob = 0.0
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
+        self.grammar = grammar  # structured outputs: the matcher of the request's grammar
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+    def max_num_tokens(self) -> int:
+        """The length limit: the sequence finishes with "length" when it holds this many tokens."""
+        return self.num_prompt_tokens + self.max_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -58,9 +54,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return f"Sequence({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, " \
+               f"blocks={self.block_table})"

@@ -1,12 +1,13 @@
-"""Paged attention: store the step's new K/V into the cache by slot, then attend over the cache.
+"""Paged attention behind one interface. The model runner describes each step once, backend-neutrally, as an
+AttentionBatch; the backend turns it into its own metadata (`backend.build(batch)`), which the model passes
+to every layer; a layer stores the step's new K/V into the paged cache by slot, then attends over the cache.
 
-The backend is chosen by name once, at construction:
+Backends, chosen by name (`make_backend`), one instance per model:
   "torch"      nanoserve.kernels.torch_attention (the CPU path; host-synchronizing, so never CUDA-graphed)
   "triton"     nanoserve.kernels.ops (same signatures as the reference)
   "flash_attn" flash_attn_varlen_func / flash_attn_with_kvcache (paged KV needs block_size % 256 == 0)
 Padded rows of CUDA-graph batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or
-read, and the triton and flash_attn backends write zeros for them (dropped afterwards). The torch backend
-is never graphed: it synchronizes with the host.
+read, and the triton and flash_attn backends write zeros for them (dropped afterwards).
 """
 from __future__ import annotations
 
@@ -23,85 +24,127 @@ from nanoserve.layers.activation import cuda_op
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionBatch:
+    """One step's attention work, the same for every backend."""
     slot_mapping: torch.Tensor  # [T] int64, -1 = padded token
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     max_query_len: int
-    max_seq_len: int
-    is_decode_only: bool  # every row has exactly one query token
-    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, built on first use by flash_attn
-    torch_plan: AttentionPlan | None = None  # built by the first layer of the torch backend, used by all
-    workspace: AttentionWorkspace | None = None  # the torch backend's buffers, kept by the model runner
+    max_seq_len: int  # under a CUDA graph: a bound for every replay (max_model_len), not this batch's maximum
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
 
 
-def _torch_backend():
-    def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if meta.torch_plan is None:
-            meta.torch_plan = plan_paged_attention(meta.slot_mapping, meta.block_tables, meta.query_start_loc,
-                                                   meta.seq_lens, k_cache.shape[1], q.dtype, meta.workspace)
-        store_kvcache_planned(k, v, k_cache, v_cache, meta.torch_plan)
-        return paged_attention_planned(q, k, v, k_cache, v_cache, meta.torch_plan, scale)
-    return attend
+class TorchBackend:
+    """Plans the step's host work (row groups, gather indices, masks) once for all layers; on the CPU keeps
+    each layer's gathered decode context between steps, in a workspace of at most the KV cache's size."""
+    name, capturable = "torch", False
+
+    def __init__(self):
+        self.workspace = AttentionWorkspace()
+        self.block_size, self.dtype = 1, torch.float32
+
+    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
+        """kv [2, layers, blocks, block_size, ...]: buffers gathered from a previous cache are void."""
+        keep = kv is not None and kv.device.type == "cpu"
+        self.workspace = AttentionWorkspace(keep_bytes=kv.numel() * kv.element_size() if keep else 0)
+        if kv is not None:
+            self.block_size, self.dtype = kv.shape[3], kv.dtype
+
+    def build(self, batch: AttentionBatch) -> AttentionPlan:
+        return plan_paged_attention(batch.slot_mapping, batch.block_tables, batch.query_start_loc, batch.seq_lens,
+                                    self.block_size, self.dtype, self.workspace)
+
+    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
+        store_kvcache_planned(k, v, k_cache, v_cache, plan)
+        return paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale)
 
 
-def _triton_backend():
-    try:
-        from nanoserve.kernels import ops
-    except ImportError as e:
-        raise RuntimeError(f"attention_backend='triton' needs nanoserve.kernels.ops ({e}); "
-                           "use attention_backend='torch'") from e
+class TritonBackend:
+    name, capturable = "triton", True
 
-    def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        ops.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        # the hints let a decode-only step skip the prefill launch and cap the decode split-K; under a CUDA
-        # graph max_seq_len is max_model_len (a bound for every replay), not the capture batch's maximum
-        return ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                   meta.seq_lens, scale, max_query_len=meta.max_query_len,
-                                   max_seq_len=meta.max_seq_len)
-    return attend
+    def __init__(self):
+        try:
+            from nanoserve.kernels import ops
+        except ImportError as e:
+            raise RuntimeError(f"attention_backend='triton' needs nanoserve.kernels.ops ({e}); "
+                               "use attention_backend='torch'") from e
+        self.ops = ops
+
+    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
+        pass
+
+    def build(self, batch: AttentionBatch) -> AttentionBatch:
+        return batch
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
+        self.ops.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+        # the hints let a decode-only step skip the prefill launch and cap the decode split-K
+        return self.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                                        batch.seq_lens, scale, max_query_len=batch.max_query_len,
+                                        max_seq_len=batch.max_seq_len)
 
 
-def _flash_attn_backend():
-    try:
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    except ImportError as e:
-        raise RuntimeError(f"attention_backend='flash_attn' needs the flash-attn package ({e}); "
-                           "use attention_backend='triton' or 'torch'") from e
-    store = cuda_op("store_kvcache") or store_kvcache_ref  # the reference is not CUDA-graph safe
+@dataclass
+class FlashAttnMetadata:
+    batch: AttentionBatch
+    cu_seqlens_k: torch.Tensor | None  # [B+1] int32; None for a decode-only step
 
-    def attend(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        store(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.is_decode_only:
-            out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                          block_table=meta.block_tables, softmax_scale=scale, causal=True)
-            return out.squeeze(1)
+
+class FlashAttnBackend:
+    name = "flash_attn"
+
+    def __init__(self):
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as e:
+            raise RuntimeError(f"attention_backend='flash_attn' needs the flash-attn package ({e}); "
+                               "use attention_backend='triton' or 'torch'") from e
+        self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
+        self.store = cuda_op("store_kvcache") or store_kvcache_ref
+        self.capturable = self.store is not store_kvcache_ref  # the reference store synchronizes with the host
+
+    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
+        pass  # EngineConfig checks that blocks hold a multiple of 256 tokens, as flash-attn's paged KV needs
+
+    def build(self, batch: AttentionBatch) -> FlashAttnMetadata:
+        cu_seqlens_k = None if batch.is_decode_only else F.pad(batch.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return FlashAttnMetadata(batch, cu_seqlens_k)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale: float) -> torch.Tensor:
+        batch = meta.batch
+        self.store(k, v, k_cache, v_cache, batch.slot_mapping)
         if meta.cu_seqlens_k is None:
-            meta.cu_seqlens_k = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
-                                      cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_query_len,
-                                      max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                                      block_table=meta.block_tables)
-    return attend
+            return self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=batch.seq_lens,
+                                     block_table=batch.block_tables, softmax_scale=scale, causal=True).squeeze(1)
+        return self.varlen(q, k_cache, v_cache, cu_seqlens_q=batch.query_start_loc, cu_seqlens_k=meta.cu_seqlens_k,
+                           max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_seq_len, softmax_scale=scale,
+                           causal=True, block_table=batch.block_tables)
 
 
-BACKENDS = {"torch": _torch_backend, "triton": _triton_backend, "flash_attn": _flash_attn_backend}
+BACKENDS = {"torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}
+AttentionBackend = TorchBackend | TritonBackend | FlashAttnBackend
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, got {name!r}")
+    return BACKENDS[name]()
 
 
 class Attention(nn.Module):
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]. The model runner
     binds `k_cache`/`v_cache` ([num_blocks, block_size, kv_heads, head_dim]) before the first forward."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: str = "torch"):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
         super().__init__()
-        if backend not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend = backend
-        self._attend = BACKENDS[backend]()
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata):
-        out = self._attend(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata) -> torch.Tensor:
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -57,11 +57,6 @@ class LinearBase(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    def weight_loader(self, param, loaded, shard_id=None):
-        copy_checked(param.data, loaded)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output dim split across ranks; each rank returns its slice of the output."""
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from nanoserve.layers.activation import SiluAndMul
-from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.attention import Attention, AttentionBackend
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
@@ -18,7 +18,7 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, attention_backend: str, rotary_emb: RotaryEmbedding):
+    def __init__(self, config, attention_backend: AttentionBackend, rotary_emb: RotaryEmbedding):
         super().__init__()
         head_dim = head_dim_of(config)
         qkv_bias, o_bias = self.biases(config)
@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         tokens = x.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -65,7 +65,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, attention_backend: str, attention_cls: type[LlamaAttention],
+    def __init__(self, config, attention_backend: AttentionBackend, attention_cls: type[LlamaAttention],
                  rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = attention_cls(config, attention_backend, rotary_emb)
@@ -84,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, attention_backend: str, attention_cls: type[LlamaAttention]):
+    def __init__(self, config, attention_backend: AttentionBackend, attention_cls: type[LlamaAttention]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, attention_backend: str = "torch"):
+    def __init__(self, config, attention_backend: AttentionBackend):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attention_backend, self.attention_cls)
@@ -113,9 +113,9 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]; attn_metadata is what the attention
+        backend built for the step (`backend.build(batch)`)."""
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from nanoserve.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config, attention_backend: str, rotary_emb):
+    def __init__(self, config, attention_backend, rotary_emb):
         super().__init__(config, attention_backend, rotary_emb)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -54,16 +54,18 @@ class EngineThread:
         return self
 
     def add(self, request_id: str, prompt, sampling_params) -> None:
-        """Called from execute(): text is tokenized here, on the caller's thread, so that a long prompt stalls
-        only its own request and never the streams the engine thread is serving. One that cannot fit is
-        rejected untokenized (its StepResult.rejected entry comes like any other)."""
-        if isinstance(prompt, str):
-            try:
+        """Called from execute(): text is tokenized and structured outputs are compiled here, on the caller's
+        thread, so that a long prompt or a slow grammar stalls only its own request and never the streams the
+        engine thread is serving. One that cannot fit, or whose grammar does not compile, is rejected (its
+        StepResult.rejected entry comes like any other)."""
+        try:
+            if isinstance(prompt, str):
                 prompt = encode_prompt_text(self._tokenizer, prompt, self.engine.max_prompt_bytes)
-            except ValueError as e:
-                self._push(("reject", request_id, str(e)))
-                return
-        self._push(("add", request_id, prompt, sampling_params))
+            grammar = self.engine.compile_grammar(sampling_params)
+        except ValueError as e:
+            self._push(("reject", request_id, str(e)))
+            return
+        self._push(("add", request_id, prompt, sampling_params, grammar))
 
     def abort(self, request_id: str) -> None:
         self._push(("abort", request_id))
@@ -103,7 +105,7 @@ class EngineThread:
             self.results.put(result)
 
     def _step(self, result: StepResult) -> None:
-        in_flight = set(self.engine.requests)
+        in_flight = set(self.engine.output_processor.requests)
         try:
             result.outputs = self.engine.step()
         except Exception:
@@ -117,7 +119,7 @@ class EngineThread:
         result.failed += [(request_id, "internal error: the engine step failed with this request in it (see the "
                                        "server log)") for request_id in suspects]
         # finished by the failed step before it raised: their last output is lost
-        lost = in_flight - set(self.engine.requests) - set(suspects)
+        lost = in_flight - set(self.engine.output_processor.requests) - set(suspects)
         result.failed += [(request_id, "internal error: the engine step failed (see the server log)")
                           for request_id in sorted(lost)]
         try:
@@ -125,9 +127,7 @@ class EngineThread:
         except Exception:
             logger.error("nanoserve engine step failed again after recovery; the engine has failed:\n%s",
                          traceback.format_exc())
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)  # frees the blocks; the response thread ends the requests
-            self.engine.pending_outputs.clear()
+            self.engine.abort_all()  # frees the blocks; the response thread ends the requests
             self._failure = "an engine step failed again after recovering from a failed step"
 
     def _apply(self, commands: list[tuple], result: StepResult) -> None:
@@ -138,8 +138,9 @@ class EngineThread:
             if kind == "reject":
                 result.rejected.append((request_id, *args))
                 continue
+            prompt, sampling_params, grammar = args
             try:
-                self.engine.add_request(request_id, *args)
+                self.engine.add_request(request_id, prompt, sampling_params, grammar=grammar)
                 self._admitted.add(request_id)
             except ValueError as e:
                 result.rejected.append((request_id, str(e)))

@@ -49,13 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address every port binds")
     parser.add_argument("--http-port", type=int, default=8000, metavar="PORT", help="Triton's HTTP/REST port")
     parser.add_argument("--grpc-port", type=int, default=8001, metavar="PORT", help="Triton's gRPC port")
-    parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT", help="Triton's Prometheus metrics port")
+    parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT",
+                        help="Triton's Prometheus metrics port")
     parser.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT, metavar="PORT",
                         help="the OpenAI-compatible API's port (0: no OpenAI API)")
     parser.add_argument("--log-file", metavar="FILE", help="tritonserver's log ('-': this terminal) "
                                            "(default: tritonserver-HTTP_PORT.log in ~/.cache/nanoserve/serve, "
                                            "or in $NANOSERVE_CACHE/serve)")
-    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL", help="tritonserver's --log-verbose level")
+    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",
+                        help="tritonserver's --log-verbose level")
     parser.add_argument("--exit-timeout-secs", type=int, default=10, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may finish before they are cut off")
     parser.add_argument("--disable-auto-complete-config", action="store_true",

@@ -36,6 +36,28 @@ class ChatMessage(Strict):
         return {**message, "name": self.name} if self.name is not None else message
 
 
+class JSONSchema(Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None  # the output always follows the schema
+
+
+class ResponseFormat(Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+    def structured_outputs(self) -> dict | None:
+        """The equivalent structured_outputs sampling parameter (None: no constraint)."""
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise bad_request("response_format: json_schema is required with type json_schema",
+                                  "response_format")
+            return {"json": self.json_schema.schema_}
+        return {"json_object": True} if self.type == "json_object" else None
+
+
 class SamplingRequest(Strict):
     """What /v1/completions and /v1/chat/completions share. The vLLM extensions (top_k, min_p, ...) are
     nanoserve sampling parameters of the same names."""
@@ -59,11 +81,14 @@ class SamplingRequest(Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams
+    response_format: ResponseFormat | None = None
 
     # the fields that are sampling parameters of the same name
-    PASSED: ClassVar[tuple[str, ...]] = ("max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
-              "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-              "skip_special_tokens", "include_stop_str_in_output")
+    PASSED: ClassVar[tuple[str, ...]] = (
+        "max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
+        "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+        "skip_special_tokens", "include_stop_str_in_output", "structured_outputs")
 
     @property
     def include_usage(self) -> bool:
@@ -71,7 +96,14 @@ class SamplingRequest(Strict):
 
     def sampling_values(self) -> tuple[dict, dict[str, str]]:
         """(sampling parameters, sampling name -> this request's name where they differ)."""
-        return {name: getattr(self, name) for name in self.PASSED if getattr(self, name) is not None}, {}
+        values = {name: getattr(self, name) for name in self.PASSED if getattr(self, name) is not None}
+        structured = None if self.response_format is None else self.response_format.structured_outputs()
+        if structured is None:
+            return values, {}
+        if self.structured_outputs is not None:
+            raise bad_request("response_format: give either response_format or structured_outputs, not both",
+                              "response_format")
+        return {**values, "structured_outputs": structured}, {"structured_outputs": "response_format"}
 
     def sampling_parameters(self) -> dict:
         """The sampling_parameters JSON object sent to Triton, validated as the engine will (400 naming the

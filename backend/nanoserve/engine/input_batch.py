@@ -1,0 +1,267 @@
+"""The model runner's persistent batch: one row per running sequence, in the scheduler's order, kept up to date
+from each SchedulerOutput's diffs. A step's input arrays and sampling metadata are gathered from it with numpy,
+never rebuilt from Python objects.
+
+A row's fixed-width data (its token ids, its block table and the KV cache slot of each of its positions, its
+sampling parameters) sits in a slot that the sequence keeps while it runs; `slots[row]` maps rows onto slots,
+so when a row leaves, the rows after it move up without moving their tables. A step's token ids and KV slots
+are then one `take` each from the flat tables, at index slot * max_model_len + position."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.engine.structured_output import TokenBitmask
+from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMetadata
+from nanoserve.sampling_params import SamplingParams
+
+_NO_TOP_K = 1 << 30
+_MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
+# sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
+FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs")
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs as host arrays, over the B rows that compute tokens (T tokens in all)."""
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: KV cache slot of each token
+    query_start_loc: np.ndarray  # [B+1] int32
+    seq_lens: np.ndarray  # [B] int32: context length including this step's tokens
+    block_tables: np.ndarray  # [B, W] int32, padded with 0
+    logits_indices: np.ndarray  # [N] int64: the tokens whose hidden states are sampled, in row order
+    max_query_len: int
+    max_seq_len: int
+
+
+def _features(params: SamplingParams) -> list[str]:
+    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
+            "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
+            "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
+            "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                          or params.frequency_penalty != 0.0)}
+    return [name for name in FEATURES if used[name]]
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int, eos_token_ids=()):
+        self.block_size = block_size
+        self.eos_token_ids = sorted(eos_token_ids)  # min_tokens bans them
+        self.req_ids: list[str] = []  # per row
+        self.slots = np.zeros(0, dtype=np.int64)  # per row
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        # the rows that sample in the step being run, in order: their slots, their lengths (tokens held before
+        # the sampled one), and where the sampled tokens go in token_ids (they come with the next diff)
+        self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self._flat_token_ids = self.token_ids.ravel()
+        # the KV cache slot of every position a row's blocks cover (block_id * block_size + offset)
+        self.kv_slots = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self._flat_kv_slots = self.kv_slots.ravel()
+        self._row_start = np.arange(max_num_seqs, dtype=np.int64) * max_model_len  # per slot: its flat index 0
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_seqs
+        self.temperature = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.full(max_num_seqs, _NO_TOP_K, dtype=np.int64)
+        self.top_p = np.full(max_num_seqs, math.inf, dtype=np.float32)
+        self.log_min_p = np.full(max_num_seqs, -math.inf, dtype=np.float32)
+        self.penalties = np.zeros((max_num_seqs, 3), dtype=np.float32)  # repetition, presence, frequency
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.num_rows_using = dict.fromkeys(FEATURES, 0)
+        # how many rows hold each value of a column: one value for the whole batch is passed as a number
+        self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    # ---- diffs ----
+    def update(self, out: SchedulerOutput) -> None:
+        assert len(self._next_token_index) == len(out.new_token_ids), "sampled tokens do not match the rows"
+        self._flat_token_ids[self._next_token_index] = out.new_token_ids
+        self._next_token_index = self._next_token_index[:0]
+        if out.finished_ids or out.preempted_ids:
+            self._remove(out.finished_ids + out.preempted_ids)
+        if out.new_seqs:
+            self.slots = np.concatenate([self.slots, [self._add(new) for new in out.new_seqs]]).astype(np.int64)
+        for row, block_ids in out.new_block_ids:
+            self._append_blocks(int(self.slots[row]), block_ids)
+        assert len(self.req_ids) == out.num_rows, "the batch's rows do not match the scheduler's"
+
+    def _add(self, new: NewSequence) -> int:
+        slot = self._free_slots.pop()
+        self.req_ids.append(new.request_id)
+        self.token_ids[slot, :len(new.token_ids)] = new.token_ids
+        self.num_prompt_tokens[slot] = new.num_prompt_tokens
+        self.num_blocks[slot] = 0
+        self._append_blocks(slot, new.block_ids)
+        params = self.params[slot] = new.sampling_params
+        self.temperature[slot] = params.temperature
+        self.top_k[slot] = params.top_k if params.top_k > 0 else _NO_TOP_K
+        self.top_p[slot] = params.top_p if params.top_p < 1.0 else math.inf
+        self.log_min_p[slot] = math.log(params.min_p) if params.min_p > 0 else -math.inf
+        self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
+        self.min_tokens[slot] = params.min_tokens
+        self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        for name in _features(params):
+            self.num_rows_using[name] += 1
+        for name, counter in self.values.items():
+            counter[getattr(self, name)[slot].item()] += 1
+        return slot
+
+    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
+        start, end = int(self.num_blocks[slot]), int(self.num_blocks[slot]) + len(block_ids)
+        self.block_tables[slot, start:end] = block_ids
+        first = np.asarray(block_ids, dtype=np.int32)[:, None] * self.block_size  # each block's first KV slot
+        positions = self.kv_slots[slot, start * self.block_size:end * self.block_size]
+        positions[:] = (first + np.arange(self.block_size, dtype=np.int32)).ravel()[:len(positions)]
+        self.num_blocks[slot] = end
+
+    def _remove(self, request_ids: list[str]) -> None:
+        rows = [self.req_ids.index(request_id) for request_id in request_ids]
+        keep = np.ones(len(self.req_ids), dtype=bool)
+        keep[rows] = False
+        for slot in self.slots[rows].tolist():
+            self.block_tables[slot, :self.num_blocks[slot]] = 0  # columns past a row's table are padding
+            for name in _features(self.params[slot]):
+                self.num_rows_using[name] -= 1
+            for name, counter in self.values.items():
+                value = getattr(self, name)[slot].item()
+                counter[value] -= 1
+                if not counter[value]:
+                    del counter[value]
+            self.params[slot] = None
+            self._free_slots.append(slot)
+        self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
+        self.slots = self.slots[keep]
+
+    # ---- one step ----
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's inputs: row r computes positions num_computed_tokens[r] .. + num_scheduled_tokens[r]."""
+        counts, computed, slots, samples = out.num_scheduled_tokens, out.num_computed_tokens, self.slots, out.samples
+        if np.count_nonzero(counts) < len(counts):  # rows the budget left out are not in the step
+            rows = counts.nonzero()[0]
+            counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
+        num_rows = len(counts)
+        if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
+            query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
+            logits_indices = np.arange(num_rows)  # each row's one token (int64)
+            positions, token_slots, max_query_len = computed, slots, min(num_rows, 1)
+        else:
+            query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
+            query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
+            assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
+            positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
+            token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
+            logits_indices = ends - 1
+        token_index = self._row_start[token_slots] + positions
+        seq_lens = computed + counts
+        max_seq_len = int(np.maximum.reduce(seq_lens, initial=0))
+        self.sampling_slots, self.sampling_lengths = slots, seq_lens
+        if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
+            self.sampling_slots, self.sampling_lengths, logits_indices = slots[samples], seq_lens[samples], \
+                logits_indices[samples]
+        self._next_token_index = token_index[logits_indices] + 1
+        return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
+                          self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
+                          seq_lens.astype(np.int32),
+                          self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
+                          logits_indices, max_query_len, max_seq_len)
+
+    def sampling_metadata(self, device: torch.device, bitmask: TokenBitmask | None = None) -> SamplingMetadata:
+        """The sampling parameters of the step's sampling rows, in order; bitmask: the tokens allowed to the rows
+        with structured outputs (built by the engine, whose matchers follow the grammars)."""
+        slots, uses = self.sampling_slots, self.num_rows_using
+        greedy = None  # per row, when the batch mixes greedy and sampled rows
+        if 0 < uses["greedy"] < len(self):
+            greedy = self.temperature[slots] < GREEDY_TEMPERATURE
+        all_greedy = not len(slots) or uses["greedy"] == len(self) or (greedy is not None and bool(greedy.all()))
+        meta = SamplingMetadata(num_rows=len(slots), all_greedy=all_greedy)
+        if not meta.all_greedy:
+            self._set_sampling(meta, slots, greedy, device)
+        if uses["penalties"]:
+            meta.penalties = self._penalties(slots, device)
+        if uses["min_tokens"]:
+            meta.banned = self._banned(slots, device)
+        if uses["logprobs"]:
+            counts = self.num_logprobs[slots]
+            meta.logprob_rows = np.flatnonzero(counts >= 0).tolist()
+            meta.max_logprobs = int(counts.max(initial=0))
+        if bitmask is not None:
+            meta.token_bitmask = (_tensor(bitmask.bitmask.numpy(), device), bitmask.rows)
+        return meta
+
+    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
+        if greedy is not None and greedy.any():
+            meta.greedy = _tensor(greedy, device)
+            meta.temperatures = _tensor(np.where(greedy, np.float32(1.0), self.temperature[slots])[:, None], device)
+        else:
+            greedy = np.zeros(len(slots), dtype=bool)
+            meta.temperatures = self._column("temperature", slots, device)
+        uses = self.num_rows_using
+        if uses["top_k"]:
+            sampled_ks = self.top_k[slots][~greedy]  # greedy rows ignore their filters
+            if (sampled_ks < _NO_TOP_K).any():
+                meta.top_ks = self._column("top_k", slots, device)
+                if (sampled_ks < _NO_TOP_K).all():
+                    meta.max_top_k = int(sampled_ks.max())
+        if uses["top_p"]:
+            meta.top_ps = self._column("top_p", slots, device)
+        if uses["min_p"]:
+            meta.log_min_ps = self._column("log_min_p", slots, device)
+        if uses["seed"]:
+            num_output = (self.sampling_lengths - self.num_prompt_tokens[slots]).tolist()
+            seeded = [(row, self.params[slot].seed) for row, slot in enumerate(slots.tolist())
+                      if self.params[slot].seed is not None and not greedy[row]]
+            meta.seeds, meta.seed_steps = seeded, [num_output[row] for row, _ in seeded]
+
+    def _column(self, name: str, slots: np.ndarray, device) -> float | int | torch.Tensor:
+        """A sampling parameter of the rows in slots: a number when the whole batch agrees, else [N, 1]."""
+        if len(self.values[name]) == 1:
+            return next(iter(self.values[name]))
+        return _tensor(getattr(self, name)[slots][:, None], device)
+
+    def _penalties(self, slots: np.ndarray, device) -> Penalties | None:
+        values = self.penalties[slots]
+        rows = np.flatnonzero((values != (1.0, 0.0, 0.0)).any(axis=1))
+        if not len(rows):
+            return None
+        values, slots = values[rows], slots[rows]
+        num_tokens, num_prompt = self.sampling_lengths[rows, None], self.num_prompt_tokens[slots, None]
+        width = int(num_tokens.max())
+        ids, positions = self.token_ids[slots, :width].astype(np.int64), np.arange(width)
+        all_ids = np.where(positions < num_tokens, ids, -1) if (values[:, 0] != 1.0).any() else None
+        output_ids = None
+        if values[:, 1:].any():
+            output_ids = np.where((positions >= num_prompt) & (positions < num_tokens), ids, -1)
+        column = lambda i: _tensor(np.ascontiguousarray(values[:, i:i + 1]), device)  # noqa: E731
+        return Penalties(_tensor(rows, device), None if all_ids is None else _tensor(all_ids, device),
+                         None if output_ids is None else _tensor(output_ids, device), column(0), column(1), column(2))
+
+    def _banned(self, slots: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids): EOS and stop_token_ids for the rows that have not reached min_tokens yet."""
+        active = np.flatnonzero(self.sampling_lengths - self.num_prompt_tokens[slots] < self.min_tokens[slots])
+        rows, token_ids = [], []
+        for row in active.tolist():
+            banned = [t for t in self.params[int(slots[row])].stop_token_ids if t < _MAX_TOKEN_ID] + self.eos_token_ids
+            rows += [row] * len(banned)
+            token_ids += banned
+        if not rows:
+            return None
+        return _tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device)
+
+
+def _tensor(values: np.ndarray, device) -> torch.Tensor:
+    """Host array -> tensor on device; on CUDA through pinned memory, so the copy does not block the host."""
+    tensor = torch.from_numpy(values)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,51 @@
+"""What the scheduler sends the model runners each step: diffs against the batch each runner keeps (so a
+tensor-parallel worker receives only what changed), and the step's work as arrays over the batch's rows.
+
+The rows are the running sequences in the scheduler's order. A runner applies the diffs in this order: the
+tokens sampled in the previous step, the removals (finished and preempted ids), the new rows; then row i of
+the arrays is running sequence i."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nanoserve.sampling_params import SamplingParams
+
+
+def _empty(dtype=np.int64):
+    return field(default_factory=lambda: np.zeros(0, dtype=dtype))
+
+
+@dataclass
+class NewSequence:
+    """A sequence joining the batch: admitted, or resumed after preemption (then with its output so far)."""
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    # ---- diffs, applied in this order ----
+    new_token_ids: np.ndarray = _empty()  # the last step's sampled tokens, one per row that sampled then
+    finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
+    preempted_ids: list[str] = field(default_factory=list)  # preempted by this step (back to waiting)
+    new_seqs: list[NewSequence] = field(default_factory=list)  # appended as rows, in order
+    new_block_ids: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, ids appended to its table)
+    # ---- the step, one entry per row ----
+    num_computed_tokens: np.ndarray = _empty()  # [rows] int64, before this step
+    num_scheduled_tokens: np.ndarray = _empty()  # [rows] int64, tokens computed this step (0: none)
+    samples: np.ndarray = _empty(bool)  # [rows]: the step reaches the row's last token, so it samples
+    num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
+    num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.num_scheduled_tokens)
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.samples.sum())

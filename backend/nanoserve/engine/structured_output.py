@@ -1,0 +1,118 @@
+"""Structured outputs with xgrammar: a request's JSON schema, regex, choice or grammar is compiled once for the
+model's vocabulary (cached per grammar text), each request walks its grammar with a matcher, and before every
+sampling step the matchers fill a token bitmask (bit j of a row: token j may come next) that the sampler applies
+to the logits.
+
+Compiling may run on any thread (the serving path compiles on the request's own thread, so a slow grammar never
+stalls the engine thread); the matchers and the bitmask belong to the engine thread. A request's matcher lives on
+its Sequence and leaves with it. It advances with every token the request generates (they are never taken back:
+a preempted request keeps its tokens and its matcher, and only recomputes their KV)."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from nanoserve.sampling_params import StructuredOutputsParams
+
+CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's cache; least recently used go first)
+MAX_ERROR_CHARS = 500
+# xgrammar's errors start with a C++ log prefix ("[10:58:49] /project/cpp/regex_converter.cc:83: ") and may add
+# a failed check's condition ("Check failed: (error.empty()) is false: ")
+_LOG_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+@dataclass
+class TokenBitmask:
+    """The tokens that the constrained sampling rows of one step may take: bit j % 32 of bitmask[row, j // 32]
+    allows token j. Only `rows` are filled; the other rows are not constrained (and their bits are garbage)."""
+    bitmask: torch.Tensor  # [sampling rows, ceil(vocab_size / 32)] int32, on the host
+    rows: list[int]
+
+
+class Grammar:
+    """One request's place in its grammar."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_accepted = 0  # tokens of the request's output the matcher has seen
+
+    def advance(self, token_id: int) -> bool:
+        """Accept the request's next generated token; True when the grammar ends the request: it is complete (the
+        token was a stop token), or it rejects the token (the mask allows only grammar tokens, so that happens
+        only when nothing was allowed, e.g. min_tokens banning the EOS that alone could come next)."""
+        self.num_accepted += 1
+        return not self.matcher.accept_token(token_id) or self.matcher.is_terminated()
+
+    def catch_up(self, output_token_ids: list[int]) -> None:
+        """Accept the output tokens the matcher has not seen (after a step failed half-way through its outputs)."""
+        for token_id in output_token_ids[self.num_accepted:]:
+            self.advance(token_id)
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one tokenizer and vocabulary (thread-safe), and fills a step's bitmask."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids):
+        self.vocab_size = vocab_size
+        info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
+        self.batch_matcher = xgr.BatchGrammarMatcher()
+
+    def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        """The compiled grammar of a request; ValueError naming structured_outputs when it does not compile."""
+        try:
+            return self._compile(spec)
+        except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
+            message = _LOG_PREFIX.sub("", str(e).strip())[:MAX_ERROR_CHARS]
+            kind = "json schema" if spec.kind == "json" else spec.kind
+            raise ValueError(f"structured_outputs: invalid {kind}: {message}") from None
+
+    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        any_whitespace = not spec.disable_any_whitespace
+        if spec.json is not None:
+            return self.compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=any_whitespace)
+        if spec.json_object:  # any object: strict_mode off, or {"type": "object"} would allow only {}
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                     strict_mode=False)
+        if spec.regex is not None:
+            return self.compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return self.compiler.compile_grammar(choice_grammar(spec.choice))
+        if "::=" in spec.grammar:  # EBNF (GBNF), as llama.cpp and vLLM write it
+            return self.compiler.compile_grammar(spec.grammar)
+        return self.compiler.compile_lark(spec.grammar)
+
+    def bitmask(self, grammars: list[Grammar | None]) -> TokenBitmask | None:
+        """The bitmask of a step whose sampling rows follow these grammars (None: that row is free)."""
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        if not rows:
+            return None
+        bitmask = torch.empty(xgr.get_bitmask_shape(len(grammars), self.vocab_size), dtype=xgr.bitmask_dtype)
+        self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
+        return TokenBitmask(bitmask, rows)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, over the model's vocab_size (rows past the tokenizer's are padding:
+    never allowed). Special tokens (those skip_special_tokens drops from the text) are never allowed either, but
+    the stop tokens: xgrammar would take "<|im_start|>" for text, and the text would then lack it."""
+    stop_token_ids = sorted(t for t in stop_token_ids if 0 <= t < vocab_size) or None
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+    vocab = [""] * vocab_size  # "": a token xgrammar never allows
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size:
+            vocab[token_id] = token
+    for token_id, added in tokenizer.added_tokens_decoder.items():
+        if added.special and token_id < vocab_size:
+            vocab[token_id] = ""
+    return xgr.TokenizerInfo(vocab, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=stop_token_ids,
+                             add_prefix_space=detected.add_prefix_space)
