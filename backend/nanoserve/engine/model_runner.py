@@ -223,9 +223,8 @@ class ModelRunner:
         chosen, ranks, top_logprobs, top_ids = (torch.cat(part).tolist() for part in zip(*parts))
         target_ids, chunks, offset = positions.target_ids.tolist(), {}, 0
         for request_id, first, count, top_n in positions.rows:
-            rows = range(offset, offset + count)
             entries = [{**dict(zip(top_ids[i][:top_n], top_logprobs[i][:top_n])), target_ids[i]: chosen[i]}
-                       for i in rows]
+                       for i in range(offset, offset + count)]
             chunks[request_id] = (first, PromptLogprobs(target_ids[offset:offset + count], entries,
                                                         ranks[offset:offset + count]))
             offset += count
