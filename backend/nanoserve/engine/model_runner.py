@@ -186,8 +186,9 @@ class ModelRunner:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others."""
         return self.logits(*self.hidden_states(inputs))
 
-    def hidden_states(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's last hidden states [step tokens, hidden] and the indices of the sampled ones, on the device."""
+    def hidden_states(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's last hidden states [step tokens, hidden] and the indices of the sampled ones on the device
+        (None when every token is sampled, in order)."""
         input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables)
@@ -195,12 +196,16 @@ class ModelRunner:
                                inputs.max_seq_len)
         if self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
                                                            batch.is_decode_only):
-            return self.graphs.run(input_ids, positions, batch), logits_indices
-        return self.model(input_ids, positions, self.backend.build(batch)), logits_indices
+            hidden = self.graphs.run(input_ids, positions, batch)
+        else:
+            hidden = self.model(input_ids, positions, self.backend.build(batch))
+        every_token = len(inputs.logits_indices) == len(inputs.input_ids)  # every token is sampled, in order
+        return hidden, None if every_token else logits_indices
 
-    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """float32 logits of the sampled tokens' hidden states on rank 0, None on the others."""
-        if len(logits_indices) != len(hidden):  # otherwise every token is sampled, in order
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        """float32 logits of the sampled tokens' hidden states (all of them: logits_indices None) on rank 0, None
+        on the others."""
+        if logits_indices is not None:
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
