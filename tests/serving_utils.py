@@ -87,7 +87,7 @@ def tensors(**values) -> list:
 
 
 OUTPUT_NAMES = ("text_output", "finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens",
-                "num_output_tokens", "output_ids", "context_ids")
+                "num_output_tokens", "prompt_logprobs", "output_ids", "context_ids")
 
 
 def stream(server, model: str, parameters: dict | None = None, first_response: threading.Event | None = None,

@@ -224,7 +224,9 @@ prompts = st.builds(lambda prefix, tail: list(prefix) + tail, st.sampled_from(PR
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """Random add / step / abort on small pools; the checks run after every rule."""
+    """Random add / step / abort on small pools, requests with n samples among them (the later ones start from
+    the first's prompt blocks); the checks run after every rule. `kv` is the ground truth of the cache: the token
+    each step computed into each slot, which every running sequence's computed positions must read back."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(2, 14),
                 max_num_seqs=st.integers(1, 4), budget=st.integers(1, 16), prefix_caching=st.booleans(),
@@ -239,24 +241,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
         self.prefix_by_hash: dict[int, tuple[int, ...]] = {}  # ground truth: hash -> the full prefix it names
+        self.kv: dict[tuple[int, int], int] = {}  # (block id, offset) -> the token last computed there
+        self.requests: dict[str, list[str]] = {}  # request id -> its sequences' ids
         self.next_id = 0
 
-    @rule(requests=st.lists(st.tuples(prompts, st.integers(1, 10)), min_size=1, max_size=4))
+    @rule(requests=st.lists(st.tuples(prompts, st.integers(1, 10), st.integers(1, 3)), min_size=1, max_size=4))
     def add(self, requests):
-        for prompt, max_tokens in requests:
-            self._add(prompt, max_tokens)
+        for prompt, max_tokens, n in requests:
+            self._add(prompt, max_tokens, n)
 
-    def _add(self, prompt, max_tokens):
+    def _add(self, prompt, max_tokens, n):
         try:
             self.scheduler.check_admissible(len(prompt), max_tokens)
         except ValueError:
             worst_blocks = -(-(len(prompt) + max_tokens) // self.bm.block_size)
             assert not prompt or len(prompt) + max_tokens > 24 or worst_blocks > self.bm.num_total_blocks
             return
-        seq = make_seq(prompt, f"req{self.next_id}", max_tokens)
+        request_id = f"req{self.next_id}"
         self.next_id += 1
-        self.scheduler.add(seq)
-        self.live[seq.request_id] = seq
+        seqs = [make_seq(prompt, f"{i}_{request_id}" if n > 1 else request_id, max_tokens) for i in range(n)]
+        for seq in seqs:
+            self.scheduler.add(seq, fork_of=seqs[0] if seq is not seqs[0] else None)
+            self.live[seq.request_id] = seq
+        self.requests[request_id] = [seq.request_id for seq in seqs]
 
     @precondition(lambda self: self.live)
     @rule()
@@ -266,11 +273,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live)
     @rule(pick=st.integers(0, 1000))
     def abort(self, pick):
-        request_id = sorted(self.live)[pick % len(self.live)]
-        seq = self.scheduler.abort(request_id)
-        assert seq is self.live.pop(request_id)
-        assert seq.status == SequenceStatus.FINISHED and seq.finish_reason == "abort" and not seq.block_table
-        assert self.scheduler.abort(request_id) is None
+        """Abort a request: every sequence of it still live (as the engine does)."""
+        live_requests = sorted(r for r, ids in self.requests.items() if any(i in self.live for i in ids))
+        for sequence_id in self.requests[live_requests[pick % len(live_requests)]]:
+            if sequence_id not in self.live:
+                continue
+            seq = self.scheduler.abort(sequence_id)
+            assert seq is self.live.pop(sequence_id)
+            assert seq.status == SequenceStatus.FINISHED and seq.finish_reason == "abort" and not seq.block_table
+            assert self.scheduler.abort(sequence_id) is None
 
     @rule()
     def run_to_completion(self):
@@ -297,10 +308,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request_id in out.preempted_ids:
             seq = next(s for s in scheduler.waiting if s.request_id == request_id)
             assert seq.status == SequenceStatus.WAITING and not seq.block_table
+        for seq in scheduler.running:
+            first = scheduler.fork_sources.get(seq.request_id)
+            assert first is None, "a later sample is admitted only once its request's first computed the prompt"
         self.batch.update(out)
         check_mirror(self.batch, scheduler)  # the diffs reproduce the running rows, tokens and block tables
         self.batch.prepare(out)
         scheduled_seqs = [seq for seq, count in zip(scheduler.running, out.num_scheduled_tokens) if count]
+        for seq, start, count in zip(scheduler.running, out.num_computed_tokens.tolist(),
+                                     out.num_scheduled_tokens.tolist()):
+            for position in range(start, start + count):  # "run the model": the step writes its tokens' KV
+                self.kv[seq.block_table[position // self.bm.block_size], position % self.bm.block_size] = \
+                    seq.token_ids[position]
         sampling = scheduler.update(out, np.array([self.rng.choice(VOCAB) for _ in range(out.num_sampled)])).seqs
         self._record_prefixes(scheduled_seqs)
         for seq in sampling:
@@ -324,6 +343,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         holders = list(scheduler.running) + list(scheduler.waiting)
         assert {s.request_id for s in holders} == set(self.live)
+        # a later sample's fork source is kept until it is admitted, never after
+        assert set(scheduler.fork_sources) <= {seq.request_id for seq in scheduler.waiting}
+        for seq in scheduler.running:  # every computed position holds its token's KV, shared blocks included
+            for position in range(scheduler.num_computed_tokens(seq)):
+                slot = seq.block_table[position // self.bm.block_size], position % self.bm.block_size
+                assert self.kv.get(slot) == seq.token_ids[position], (seq, position)
         assert all(not s.block_table for s in scheduler.waiting)
         computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
         self.bm.check_invariants(holders, computed)  # free xor used, ref counts, hashed prefix of each table

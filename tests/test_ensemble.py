@@ -25,8 +25,8 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
     for i, token in enumerate(output_ids):
         last = i == len(output_ids) - 1
         out = RequestOutput("r", [token], "", last, "length" if last else None, len(prompt_ids), i + 1)
-        arrays = token_arrays(stream, out, special_token_ids(tokenizer))
-        stream.token_ids.append(token)
+        stream.add([out])
+        arrays = token_arrays(stream, [out], special_token_ids(tokenizer))
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
                              final=is_final(arrays["finish_reason"][0]),
                              **json.loads(arrays["detokenize_params"][0]))

@@ -174,10 +174,10 @@ def test_abort_all_recovers_from_a_step_that_failed_half_way(qwen3_dir, make_llm
     def failing(inputs):
         raise RuntimeError("the forward failed")
     runner = engine.executor.runner
-    runner.forward = failing
+    runner.hidden_states = failing
     with pytest.raises(RuntimeError, match="forward failed"):
         engine.step()
-    del runner.forward  # the method again
+    del runner.hidden_states  # the method again
     assert sorted(engine.abort_all()) == ["a0", "a1"] and not engine.has_unfinished_requests()
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [out.token_ids for out in outputs] == [hf_greedy(qwen3_dir, p, GREEDY.max_tokens) for p in prompts]

@@ -122,3 +122,21 @@ def check_traffic(server, max_tokens: list[int], expected: list) -> bool:
     assert delta(vllm, vllm_before, "vllm:request_generation_tokens_sum") == generated
     assert vllm["vllm:kv_cache_usage_perc"] == 0 and vllm["vllm:num_requests_running"] == 0
     return delta(after, before, "nanoserve_preemptions_total") > 0
+
+
+def test_n_samples_compute_their_prompt_once(server):
+    """n = 3 at temperature 1: three different texts, and the prefix-cache counters show the prompt's full blocks
+    computed by the first sample alone (the others take them as hits, as vLLM's samples do)."""
+    before = metrics(server, MODEL, prefix="vllm:")
+    out = stream(server, MODEL, text_input="Three samples of one prompt, its blocks computed only once here.",
+                 exclude_input_in_output=True, return_num_input_tokens=True,
+                 sampling_parameters={"n": 3, "temperature": 1.0, "max_tokens": 8, "ignore_eos": True})
+    [response] = out.responses
+    assert len({text for text in response["text_output"].tolist()}) == 3
+    num_prompt = int(response["num_input_tokens"][0])
+    shared = (num_prompt - 1) // ENGINE_ARGS["kvcache_block_size"] * ENGINE_ARGS["kvcache_block_size"]
+    after = metrics(server, MODEL, prefix="vllm:")
+    assert shared > 0 and delta(after, before, "vllm:prefix_cache_queries_total") == 3 * num_prompt
+    assert delta(after, before, "vllm:prefix_cache_hits_total") == 2 * shared
+    assert delta(after, before, "vllm:prompt_tokens_total") == num_prompt
+    assert delta(after, before, "vllm:request_generation_tokens_sum") == 3 * 8

@@ -116,10 +116,28 @@ def test_response_format_and_structured_outputs(client, prompt):
     assert completion.choices[0].text in choices and completion.choices[0].finish_reason == "stop"
 
 
+def test_n_choices_streamed_and_not(client, prompt):
+    """n = 3, seeded: three choices with their indexes and different texts; streamed, each chunk's choices name
+    their index and join to the same texts; a streamed chat sends each choice's role first."""
+    params = dict(model=MODEL, prompt=prompt, n=3, seed=5, temperature=1.0, max_tokens=N,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**params)
+    texts = [choice.text for choice in whole.choices]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert whole.usage.completion_tokens == 3 * N
+    streamed = [""] * 3
+    for chunk in client.completions.create(**params, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=2, stream=True)
+    assert [choice.index for chunk in chat for choice in chunk.choices if choice.delta.role] == [0, 1]
+
+
 @pytest.mark.parametrize("params, param", [
     ({"top_p": 1.5}, "top_p"),
     ({"temperature": -1}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),

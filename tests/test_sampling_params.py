@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from nanoserve.sampling_params import (MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                       MAX_TOP_K, SamplingParams)
+from nanoserve.sampling_params import (MAX_N, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                       MAX_STOP_TOKEN_IDS, MAX_TOP_K, SamplingParams)
 from nanoserve.serving.request import json_object
 
 INVALID = [  # field, value
@@ -28,7 +28,7 @@ INVALID = [  # field, value
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
     ("stop_token_ids", "12"), ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
     ("logprobs", -1), ("logprobs", True), ("logprobs", 2.0),
-    ("n", 2), ("n", 0),
+    ("n", MAX_N + 1), ("n", 0), ("n", 2.0), ("n", True), ("prompt_logprobs", -1), ("prompt_logprobs", 1.5),
 ]
 
 
@@ -52,6 +52,7 @@ def test_defaults_are_valid():
     dict(min_tokens=5, max_tokens=5), dict(stop=None), dict(stop_token_ids=None), dict(top_k=MAX_TOP_K),
     dict(temperature=100), dict(repetition_penalty=0.01), dict(repetition_penalty=100),
     dict(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS), dict(stop_token_ids=[0] * MAX_STOP_TOKEN_IDS),
+    dict(n=1), dict(n=MAX_N), dict(prompt_logprobs=0),
 ])
 def test_valid_values(kwargs):
     SamplingParams(**kwargs)
@@ -59,6 +60,7 @@ def test_valid_values(kwargs):
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(min_tokens=101), "min_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(stop_token_ids=[3, 1000]), "stop_token_ids"),
 ])
 def test_model_dependent_ranges_name_the_field(kwargs, field):
@@ -69,7 +71,20 @@ def test_model_dependent_ranges_name_the_field(kwargs, field):
 
 
 def test_model_dependent_ranges_accept_their_limits():
-    SamplingParams(min_tokens=100, logprobs=20, stop_token_ids=[0, 999]).check_against_model(100, 1000, 20)
+    SamplingParams(min_tokens=100, logprobs=20, prompt_logprobs=20, stop_token_ids=[0, 999]).check_against_model(
+        100, 1000, 20)
+
+
+def test_each_sample_of_a_request_gets_the_next_seed():
+    """vLLM's ParentRequest rule: sample i has seed + i (wrapping at 2**64); prompt logprobs only on sample 0."""
+    params = SamplingParams(n=3, seed=MAX_SEED - 1, prompt_logprobs=2, temperature=0.5)
+    samples = [params.for_sample(i) for i in range(3)]
+    assert [s.seed for s in samples] == [MAX_SEED - 1, MAX_SEED, 0]
+    assert [s.prompt_logprobs for s in samples] == [2, None, None] and {s.n for s in samples} == {1}
+    assert all(s.temperature == 0.5 for s in samples)
+    assert SamplingParams(n=2).for_sample(1).seed is None
+    single = SamplingParams(seed=5)
+    assert single.for_sample(0) is single
 
 
 def test_min_tokens_above_max_tokens():
@@ -123,7 +138,7 @@ def test_empty_json_gives_defaults():
     ({"top_p": "0"}, "top_p"), ({"top_p": "1.5"}, "top_p"), ({"seed": "1.5"}, "seed"),
     ({"stop_token_ids": "[1, "}, "stop_token_ids"), ({"stop_token_ids": "1"}, "stop_token_ids"),
     ({"stop_token_ids": '["a"]'}, "stop_token_ids"), ({"stop": 5}, "stop"), ({"stop": [1]}, "stop"),
-    ({"min_tokens": "null"}, "min_tokens"), ({"temperature": None}, "temperature"), ({"n": "3"}, "n"),
+    ({"min_tokens": "null"}, "min_tokens"), ({"temperature": None}, "temperature"), ({"n": "129"}, "n"),
     ({"bogus": 1}, "bogus"), ({"max_tokens": 8, "zzz": 1, "aaa": 2}, "aaa"),
     ({"": 1}, "sampling_parameters"), ({" ": 1}, "sampling_parameters"),  # a blank name is quoted
 ])

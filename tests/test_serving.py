@@ -121,6 +121,40 @@ def test_optional_outputs(server, offline, qwen3_dir):
     assert out.responses[-1]["logprobs"].tolist() == [b"null"]  # no logprobs parameter: null, as vllm_backend
 
 
+SAMPLES = {"n": 3, "seed": 11, "temperature": 1.0, "max_tokens": N, "ignore_eos": True, "prompt_logprobs": 2}
+
+
+@pytest.fixture(scope="module")
+def offline_samples(qwen3_dir):
+    with LLM(qwen3_dir, **ENGINE_ARGS) as llm:
+        return llm.generate(PROMPTS[1], SamplingParams(**SAMPLES), use_tqdm=False)[0]
+
+
+def test_n_samples_stream_their_deltas_at_their_index(server, offline_samples):
+    """n = 3, seeded: an entry per sample in every output, the offline engine's samples (seed + i each, all
+    different). Streamed, each response has each sample's delta at its index, joining to the same texts. The
+    prompt logprobs (vllm_backend's logprobs format, None for the first token) are the offline engine's, on the
+    first streamed response."""
+    flags = {"return_finish_reason": True, "return_num_output_tokens": True, "return_prompt_logprobs": True}
+    whole = stream(server, MODEL, text_input=PROMPTS[1], exclude_input_in_output=True, sampling_parameters=SAMPLES,
+                   **flags)
+    streamed = stream(server, MODEL, text_input=PROMPTS[1], stream=True, sampling_parameters=SAMPLES, **flags)
+    texts = [sample.text for sample in offline_samples.outputs]
+    assert len(set(texts)) == 3 and whole.error is None and streamed.error is None
+    [response] = whole.responses
+    assert [t.decode() for t in response["text_output"]] == texts
+    assert response["finish_reason"].tolist() == [b"length"] * 3 and response["num_output_tokens"].tolist() == [N] * 3
+    assert all(len(r["text_output"]) == len(r["finish_reason"]) == 3 for r in streamed.responses)
+    assert ["".join(r["text_output"][i].decode() for r in streamed.responses) for i in range(3)] == texts
+    assert [sum(int(r["num_output_tokens"][i]) for r in streamed.responses) for i in range(3)] == [N] * 3
+    carried = [json.loads(r["prompt_logprobs"][0]) for r in streamed.responses]
+    assert all(c is None for c in carried[1:])
+    for got in (carried[0], json.loads(response["prompt_logprobs"][0])):
+        assert got[0] is None and len(got) == offline_samples.num_prompt_tokens
+        for entry, expected in zip(got[1:], offline_samples.prompt_logprobs[1:]):
+            assert {int(t): v["logprob"] for t, v in entry.items()} == pytest.approx(expected, abs=1e-4)
+
+
 BAD_INPUTS = [  # (inputs, request parameters, the field the error must name)
     ({"stream": True}, None, "text_input"),
     ({"text_input": ""}, None, "text_input"),

@@ -8,12 +8,19 @@ import numpy as np
 import pytest
 
 from nanoserve.engine.llm_engine import RequestOutput
+from nanoserve.engine.model_runner import PromptLogprobs
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
                                        TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
                                          vllm_logprobs)
+
+
+def formatted(stream, output, every_step=False):
+    """What the response thread sends for one output: the stream takes it, then text_arrays formats it."""
+    stream.add([output])
+    return text_arrays(stream, [output], str, every_step)
 
 
 def text(value) -> np.ndarray:
@@ -90,6 +97,9 @@ def test_token_prompt():
     assert req.prompt == [5, 6, 7]
     assert "input_ids: empty" in error_of(tokens=True, input_ids=np.array([], np.int32))
     assert error_of(tokens=True).startswith("input_ids: missing")
+    two = text('{"n": 2}')  # the token model (the ensemble's) generates one sequence per request
+    assert error_of(tokens=True, input_ids=np.array([5]), sampling_parameters=two).startswith("n: ")
+    assert parse(text_input=text("Hi"), sampling_parameters=two).sampling_params.n == 2
 
 
 def test_input_ids_beyond_max_model_len_are_rejected_before_they_are_read():
@@ -162,7 +172,8 @@ def test_contract_tables_match_design():
     outputs = {o["name"]: (o["data_type"], o["dims"]) for o in TEXT_OUTPUTS}
     assert outputs == {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
                        "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
-                       "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1])}
+                       "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1]),
+                       "prompt_logprobs": ("TYPE_STRING", [1])}
     assert {i["name"] for i in TOKEN_INPUTS} == set(inputs) - {"text_input"} | {"input_ids"}
 
 
@@ -178,7 +189,8 @@ def test_merge_into_joins_a_requests_steps():
     pending = {}
     merge_into(pending, [a[0], b[0], a[1]])
     merge_into(pending, [a[2]])
-    merged = list(pending.values())
+    assert [len(outputs) for outputs in pending.values()] == [1, 1]
+    merged = [outputs[0] for outputs in pending.values()]
     assert [m.request_id for m in merged] == ["a", "b"]
     assert merged[0].new_token_ids == [5, 6, 7] and merged[0].text_delta == "Hello"
     assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}] and merged[0].new_logprob_ranks == [1, 1, 1]
@@ -190,18 +202,17 @@ def test_text_arrays_streaming_and_not():
     pieces = [(5, "He"), (6, ""), (7, "llo")]
     flags = {"return_num_output_tokens": np.array([True]), "return_finish_reason": np.array([True])}
     streaming = Stream(None, parse(text_input=text("Hi "), stream=np.array([True]), **flags))
-    sent = [text_arrays(streaming, o, str) for o in outputs_of("a", pieces)]
+    sent = [formatted(streaming, o) for o in outputs_of("a", pieces)]
     assert [a["text_output"][0] for a in sent] == [b"He", b"", b"llo"]  # token-level flag: every token sent
     assert [a["finish_reason"][0] for a in sent] == [b"None", b"None", b"length"]  # as vllm_backend
     whole = Stream(None, parse(text_input=text("Hi "), **flags))
     sent = []
     for output in outputs_of("a", pieces):
-        sent.append(text_arrays(whole, output, str))
-        whole.token_ids += output.new_token_ids  # as the response thread does after formatting
+        sent.append(formatted(whole, output))
     assert sent[:2] == [None, None] and sent[2]["text_output"][0] == b"Hi Hello"  # prompt prepended
     assert sent[2]["num_output_tokens"].tolist() == [3]
     quiet = Stream(None, parse(text_input=text("Hi "), stream=np.array([True])))
-    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0], str) is None  # held back: nothing sent
+    assert formatted(quiet, outputs_of("a", [(6, ""), (7, "x")])[0]) is None  # held back: nothing sent
 
 
 def test_logprobs_in_vllm_backends_format():
@@ -216,10 +227,10 @@ def test_logprobs_in_vllm_backends_format():
          "9": {"logprob": -1.0, "rank": 2, "decoded_token": "<9>"}}]
     flags = {"return_logprobs": np.array([True]), "stream": np.array([True])}
     asked = Stream(None, parse(text_input=text("Hi"), sampling_parameters=text('{"logprobs": 0}'), **flags))
-    sent = text_arrays(asked, outputs_of("a", [(5, "x")])[0], str)
+    sent = formatted(asked, outputs_of("a", [(5, "x")])[0])
     assert json.loads(sent["logprobs"][0]) == [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "5"}}]
     not_asked = Stream(None, parse(text_input=text("Hi"), **flags))
-    assert text_arrays(not_asked, outputs_of("a", [(5, "x")])[0], str)["logprobs"].tolist() == [b"null"]
+    assert formatted(not_asked, outputs_of("a", [(5, "x")])[0])["logprobs"].tolist() == [b"null"]
 
 
 # ---- the response thread's pacing (driven round by round, with a fake clock and fake Triton objects) -------
@@ -266,7 +277,7 @@ def response_thread(clock, send_budget, metrics=None, every_step=False):
                                          record_token_gap=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
-                          lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
+                          lambda stream, outputs: text_arrays(stream, outputs, str, every_step), "text_input",
                           send_budget=send_budget, every_step=every_step, clock=clock)
 
 
@@ -338,6 +349,54 @@ def test_non_streaming_sends_one_response_whatever_the_pacing():
         clock.now += 0.01
         thread.handle_events([StepResult(outputs=[output], time=clock.now)])
     assert sender.sent == [("Hi Hello", True)] and not thread.streams
+
+
+def sample_output(index, token_id, delta, reason=None, finished=False):
+    """One step's output of sample `index` of request "a" (n = 2), its first token."""
+    return RequestOutput("a", [token_id], delta, finished, reason, 3, 1, -0.5, index=index)
+
+
+def test_n_samples_send_one_entry_each_streamed_or_not():
+    """n = 2: every output tensor has an entry per sample, at its index. Streamed, each response carries each
+    sample's delta (empty for one with nothing new) and its finish reason once it has ended; merged steps join
+    per sample. Not streamed: each sample's whole text, the prompt prepended to each."""
+    steps = [[sample_output(0, 5, "A"), sample_output(1, 6, "B")], [sample_output(0, 7, "C", "length")],
+             [sample_output(1, 8, "D", "stop", finished=True)]]
+    flags = {"return_finish_reason": np.array([True]), "return_num_output_tokens": np.array([True])}
+    sent = {}
+    for mode, every_step in [("every_step", True), ("merged", False), ("whole", False)]:
+        thread, sender = response_thread(FakeClock(), send_budget=0.1, every_step=every_step), RecordingSender()
+        streamed = {"stream": np.array([True])} if mode != "whole" else {}
+        request = parse(text_input=text("Hi "), sampling_parameters=text('{"n": 2}'), **flags, **streamed)
+        thread.handle_events([Register("a", Stream(sender, request))])
+        thread.handle_events([StepResult(outputs=steps[0], time=1.0)])
+        thread.handle_events([StepResult(outputs=outputs, time=2.0) for outputs in steps[1:]])  # one round
+        sent[mode] = [([t.decode() for t in r["text_output"]], [f.decode() for f in r["finish_reason"]],
+                       r["num_output_tokens"].tolist(), bool(final)) for r, final in sender.sent]
+        assert not thread.streams and not thread.pending
+    assert sent["every_step"] == [(["A", "B"], ["None", "None"], [1, 1], False),
+                                  (["C", ""], ["length", "None"], [1, 0], False),
+                                  (["", "D"], ["length", "stop"], [0, 1], True)]
+    assert sent["merged"] == [(["A", "B"], ["None", "None"], [1, 1], False),
+                              (["C", "D"], ["length", "stop"], [1, 1], True)]
+    assert sent["whole"] == [(["Hi AC", "Hi BD"], ["length", "stop"], [2, 2], True)]
+
+
+def test_prompt_logprobs_come_once_in_vllm_backends_format():
+    """return_prompt_logprobs: a JSON list, None for the first prompt token, then per token itself and the top
+    prompt_logprobs tokens, with its rank; streamed, on the response that carries them, null on the others."""
+    thread, sender = response_thread(FakeClock(), send_budget=0.1, every_step=True), RecordingSender()
+    request = parse(text_input=text("Hi"), stream=np.array([True]), return_prompt_logprobs=np.array([True]),
+                    sampling_parameters=text('{"prompt_logprobs": 1}'))
+    thread.handle_events([Register("a", Stream(sender, request))])
+    outputs = outputs_of("a", [(5, "x"), (6, "y")])
+    outputs[0].prompt_logprobs = PromptLogprobs([4, 9], [{4: -0.1, 2: -3.0}, {9: -2.0, 1: -0.5}], [1, 3])
+    thread.handle_events([StepResult(outputs=[output], time=1.0 + i) for i, output in enumerate(outputs)])
+    first, last = (json.loads(response["prompt_logprobs"][0]) for response, _ in sender.sent)
+    assert first == [None, {"4": {"logprob": -0.1, "rank": 1, "decoded_token": "4"}},
+                     {"9": {"logprob": -2.0, "rank": 3, "decoded_token": "9"},
+                      "1": {"logprob": -0.5, "rank": 1, "decoded_token": "1"}}]
+    assert last is None
 
 
 class ErrorPb(FakePb):

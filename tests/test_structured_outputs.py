@@ -300,3 +300,14 @@ def test_a_choice_grammar_accepts_each_choice_exactly(choices):
         assert matcher.accept_string(choice) and matcher.is_completed(), choice
     matcher = xgr.GrammarMatcher(compiled)
     assert not (matcher.accept_string(max(choices, key=len) + "\x01") and matcher.is_completed())
+
+
+def test_each_of_n_samples_follows_the_grammar_with_a_matcher_of_its_own(llm):
+    """n = 4 samples of one request, one prompt computed once: each sample advances its own matcher, so every
+    sample's text is a whole sentence of the grammar (a shared matcher would see the others' tokens)."""
+    [out] = llm.generate(prompts(1, seed=5), SamplingParams(n=4, temperature=1.0, seed=9, max_tokens=30,
+                                                              structured_outputs={"regex": REGEX}), use_tqdm=False)
+    assert [sample.index for sample in out.outputs] == [0, 1, 2, 3]
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop" and re.fullmatch(REGEX, sample.text), sample.text
+    assert len({sample.text for sample in out.outputs}) > 1

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from hf_reference import hf_greedy
 from test_model_runner import Blocks, make_config, make_runner, make_seq, random_ids, run_step
+from test_parallel_sampling import check_prompt_logprobs, hf_prompt_logprobs
 
 from nanoserve import SamplingParams
 from nanoserve.distributed import is_distributed
@@ -69,9 +70,13 @@ def test_tp2_matches_tp1_and_shuts_down_cleanly(tiny_models):
 
 def test_tp2_engine_matches_hf(qwen3_dir, make_llm):
     """The engine over two ranks: the workers' batches follow the scheduler's diffs (the tokens rank 0 sampled
-    reach them with the next step), with chunked prefill and decodes in one batch."""
+    reach them with the next step), with chunked prefill and decodes in one batch; two samples of a prompt that
+    asks for prompt logprobs (every rank computes their logits)."""
     llm = make_llm(qwen3_dir, tensor_parallel_size=2, kvcache_block_size=4, max_num_batched_tokens=16)
     prompts = [random_ids(n, seed=80 + n) for n in (3, 21, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    samples = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=2, prompt_logprobs=2)
+    outputs = llm.generate(prompts, [params, samples, params], use_tqdm=False)
     assert [out.token_ids for out in outputs] == [hf_greedy(qwen3_dir, p, 6) for p in prompts]
+    assert outputs[1].outputs[1].token_ids == outputs[1].token_ids
+    check_prompt_logprobs(hf_prompt_logprobs(qwen3_dir, prompts[1]), prompts[1], outputs[1].prompt_logprobs, 2)

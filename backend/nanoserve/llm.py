@@ -11,25 +11,48 @@ from nanoserve.sampling_params import SamplingParams
 
 @dataclass
 class CompletionOutput:
-    prompt: str | list[int]
+    """One sequence generated for a prompt (one of its n samples)."""
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
     cumulative_logprob: float | None = None  # with SamplingParams.logprobs set
     logprobs: list[dict[int, float]] | None = None  # per generated token, when SamplingParams.logprobs is set
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
         self.text += out.text_delta
         self.token_ids.extend(out.new_token_ids)
-        self.num_prompt_tokens = out.num_prompt_tokens
-        self.num_cached_tokens = out.num_cached_tokens
         self.cumulative_logprob = out.cumulative_logprob
         if wants_logprobs:
             self.logprobs = (self.logprobs or []) + out.new_logprobs
-        if out.finished:
-            self.finish_reason = out.finish_reason
+        self.finish_reason = out.finish_reason or self.finish_reason
+
+
+@dataclass
+class PromptOutput:
+    """What generate returns for one prompt: its SamplingParams.n sequences in `outputs` (in index order);
+    `text`, `token_ids`, `cumulative_logprob`, `logprobs` and `finish_reason` are the first sequence's."""
+    prompt: str | list[int]
+    outputs: list[CompletionOutput] = field(default_factory=lambda: [CompletionOutput()])
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the first sequence took from the prefix cache
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token {token_id:
+    # logprob} of the most likely tokens and itself
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    text = property(lambda self: self.outputs[0].text)
+    token_ids = property(lambda self: self.outputs[0].token_ids)
+    cumulative_logprob = property(lambda self: self.outputs[0].cumulative_logprob)
+    logprobs = property(lambda self: self.outputs[0].logprobs)
+    finish_reason = property(lambda self: self.outputs[0].finish_reason)
+
+    def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
+        self.outputs[out.index].add(out, wants_logprobs)
+        self.num_prompt_tokens = out.num_prompt_tokens
+        if out.index == 0:
+            self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = [None, *out.prompt_logprobs.logprobs]
 
 
 class LLM:
@@ -39,23 +62,23 @@ class LLM:
         self._next_id = 0
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[CompletionOutput]:
+                 use_tqdm: bool = True) -> list[PromptOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        outputs: dict[str, CompletionOutput] = {}
+        outputs: dict[str, PromptOutput] = {}
         try:
             for prompt, sp in zip(prompts, params):
                 request_id = f"offline-{self._next_id}"
                 self._next_id += 1
                 self.engine.add_request(request_id, prompt, sp, stream=False)
-                outputs[request_id] = CompletionOutput(prompt)
+                outputs[request_id] = PromptOutput(prompt, [CompletionOutput(index) for index in range(sp.n)])
             self._run(outputs, params, use_tqdm)
         finally:
             self.engine.abort_all()  # an error mid-batch must not leak blocks
         return list(outputs.values())
 
-    def _run(self, outputs: dict[str, CompletionOutput], params: list[SamplingParams], use_tqdm: bool) -> None:
+    def _run(self, outputs: dict[str, PromptOutput], params: list[SamplingParams], use_tqdm: bool) -> None:
         wants_logprobs = {rid: sp.logprobs is not None for rid, sp in zip(outputs, params)}
         bar = tqdm(total=len(outputs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         with bar:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -17,6 +17,7 @@ MAX_SEED = 2 ** 64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_N = 128  # sequences per request (vLLM's bound, VLLM_MAX_N_SEQUENCES, is far larger; each is a batch row)
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -88,8 +89,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # number of top logprobs per prompt token
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = 1  # sequences sampled from the prompt; sequence i gets seed (seed + i) mod 2**64
     structured_outputs: StructuredOutputsParams | None = None  # or its JSON object / JSON text
 
     def __post_init__(self):
@@ -103,6 +105,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of the request: itself when n is 1; else one sequence, seed + index
+        (vLLM's rule, modulo 2**64), and prompt logprobs on the first only (the prompt is the same for all)."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def _validate(self):
         _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
@@ -127,16 +137,18 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
-        if self.n != 1:
-            raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, optional=True)
+        _check_int("n", self.n, minimum=1, maximum=MAX_N)
 
     def check_against_model(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
         """The ranges that depend on the model; the engine calls this when it admits the request (the prompt
         plus max_tokens is checked there too)."""
         if self.min_tokens > max_model_len:
             raise ValueError(f"min_tokens: must be <= max_model_len ({max_model_len}), got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ValueError(f"logprobs: at most max_logprobs ({max_logprobs}), got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name}: at most max_logprobs ({max_logprobs}), got {value}")
         outside = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")

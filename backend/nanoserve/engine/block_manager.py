@@ -4,8 +4,8 @@ A full block whose KV has been computed gets hash = xxh64(previous block's hash 
 hashes mean equal prefixes. Freed blocks keep their hash and stay findable until they are reused for other
 content; free blocks are reused least-recently-freed first.
 
-Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks
-(parallel sampling would share a prompt's blocks between its samples the same way).
+Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks,
+and the samples of a request with n > 1 share its prompt's blocks (`fork`).
 """
 from __future__ import annotations
 
@@ -88,6 +88,18 @@ class BlockManager:
             block.ref_count += 1
         seq.block_table = [block.block_id for block in hit_blocks]
         hit_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_hit_tokens += hit_tokens
+        return hit_tokens
+
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> int:
+        """Give a newly admitted child the first num_blocks blocks of parent (full, their KV computed), shared by
+        reference count; returns the tokens they hold. They count as prefix-cache hits: the child computes none
+        of them. undo_cached_prefix gives them back."""
+        assert not child.block_table, child
+        child.block_table = parent.block_table[:num_blocks]
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1  # the parent holds them: never 0 here, so never in the free list
+        hit_tokens = num_blocks * self.block_size
         self.prefix_cache_hit_tokens += hit_tokens
         return hit_tokens
 

@@ -23,7 +23,17 @@ from nanoserve.sampling_params import SamplingParams
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
 # sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
-FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs")
+FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs")
+
+
+@dataclass
+class PromptPositions:
+    """The step's tokens whose logits give prompt logprobs: the prompt positions a row that wants them computes,
+    but the prompt's last (its logits sample the first output token)."""
+    token_indices: np.ndarray  # [M] int64: among the step's tokens
+    target_ids: np.ndarray  # [M] int64: the prompt token each one's logits predict (the next one)
+    rows: list[tuple[str, int, int, int]]  # per row, in order: (request id, index in the prompt of its first
+    #                                        target, how many, top logprobs wanted)
 
 
 @dataclass
@@ -38,12 +48,14 @@ class StepInputs:
     logits_indices: np.ndarray  # [N] int64: the tokens whose hidden states are sampled, in row order
     max_query_len: int
     max_seq_len: int
+    prompt_positions: PromptPositions | None = None  # the tokens whose logits give prompt logprobs
 
 
 def _features(params: SamplingParams) -> list[str]:
     used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
             "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
             "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None,
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
     return [name for name in FEATURES if used[name]]
@@ -76,6 +88,7 @@ class InputBatch:
         self.penalties = np.zeros((max_num_seqs, 3), dtype=np.float32)  # repetition, presence, frequency
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none wanted, or had already
         self.num_rows_using = dict.fromkeys(FEATURES, 0)
         # how many rows hold each value of a column: one value for the whole batch is passed as a number
         self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
@@ -111,6 +124,8 @@ class InputBatch:
         self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         self.min_tokens[slot] = params.min_tokens
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        resumed = len(new.token_ids) > new.num_prompt_tokens  # preempted after it sampled: the prompt's were sent
+        self.num_prompt_logprobs[slot] = -1 if params.prompt_logprobs is None or resumed else params.prompt_logprobs
         for name in _features(params):
             self.num_rows_using[name] += 1
         for name, counter in self.values.items():
@@ -174,7 +189,25 @@ class InputBatch:
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
                           seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          logits_indices, max_query_len, max_seq_len)
+                          logits_indices, max_query_len, max_seq_len,
+                          self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None)
+
+    def _prompt_positions(self, out: SchedulerOutput) -> PromptPositions | None:
+        """The step's prompt positions whose logits the rows wanting prompt logprobs need; None if there are none."""
+        counts, computed, slots = out.num_scheduled_tokens, out.num_computed_tokens, self.slots
+        num_top = self.num_prompt_logprobs[slots]
+        ends = np.minimum(computed + counts, self.num_prompt_tokens[slots] - 1)
+        wanted = np.flatnonzero((num_top >= 0) & (ends > computed))
+        if not len(wanted):
+            return None
+        step_starts = counts.cumsum() - counts  # each row's first token among the step's (rows left out have none)
+        token_indices, target_ids, rows = [], [], []
+        for row in wanted.tolist():
+            first, count, slot = int(computed[row]), int(ends[row] - computed[row]), int(slots[row])
+            token_indices.append(np.arange(step_starts[row], step_starts[row] + count))
+            target_ids.append(self.token_ids[slot, first + 1:first + 1 + count])
+            rows.append((self.req_ids[row], first + 1, count, int(num_top[row])))
+        return PromptPositions(np.concatenate(token_indices), np.concatenate(target_ids).astype(np.int64), rows)
 
     def sampling_metadata(self, device: torch.device, bitmask: TokenBitmask | None = None) -> SamplingMetadata:
         """The sampling parameters of the step's sampling rows, in order; bitmask: the tokens allowed to the rows

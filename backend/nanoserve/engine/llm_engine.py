@@ -59,10 +59,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
                     stream: bool = True, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request. Raises ValueError (message starting with the field) for bad input. stream=True: a
-        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them.
+        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them. With
+        n > 1, each of the n samples is a sequence of its own, whose outputs carry its index.
         grammar: the request's structured_outputs compiled already (compile_grammar, on another thread);
-        compiled here when not given."""
-        if request_id in self.output_processor.requests:
+        compiled here when not given. Each sample gets a matcher of its own."""
+        sequence_ids = [request_id] if sampling_params.n == 1 else \
+            [f"{index}_{request_id}" for index in range(sampling_params.n)]  # vLLM's names for the samples
+        in_use = self.output_processor
+        if request_id in in_use.samples or not in_use.requests.keys().isdisjoint(sequence_ids):
             raise ValueError(f"request_id: {request_id!r} is already running")
         sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
@@ -72,10 +76,12 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_ids), max_tokens)
         if grammar is None:
             grammar = self.compile_grammar(sampling_params)
-        seq = Sequence(request_id, prompt_ids, sampling_params, max_tokens,
-                       None if grammar is None else Grammar(grammar))
-        self.output_processor.add(seq, stream)
-        self.scheduler.add(seq)
+        seqs = [Sequence(sequence_id, prompt_ids, sampling_params.for_sample(index), max_tokens,
+                         None if grammar is None else Grammar(grammar))
+                for index, sequence_id in enumerate(sequence_ids)]
+        self.output_processor.add(request_id, seqs, stream)
+        for seq in seqs:
+            self.scheduler.add(seq, fork_of=seqs[0] if seq is not seqs[0] else None)
 
     def compile_grammar(self, sampling_params: SamplingParams) -> CompiledGrammar | None:
         """The request's structured_outputs compiled (None without); ValueError naming structured_outputs when it
@@ -97,18 +103,23 @@ class LLMEngine:
         return list(prompt)
 
     def abort_request(self, request_id: str) -> bool:
-        """Free the request's blocks now; its final output (reason "abort") comes with the next step()."""
-        output = self.output_processor.abort(request_id)
-        if output is None:
-            return False
-        self.scheduler.abort(request_id)
-        self.pending_outputs.append(output)
-        return True
+        """Free the request's blocks now; its final outputs (reason "abort") come with the next step()."""
+        outputs = self._abort(request_id)
+        self.pending_outputs += outputs
+        return bool(outputs)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        """Drop every sequence of the request: their final outputs (none for an unknown request)."""
+        sequence_ids = self.output_processor.sequence_ids(request_id)
+        outputs = self.output_processor.abort(request_id)
+        for sequence_id in sequence_ids if outputs else ():
+            self.scheduler.abort(sequence_id)
+        return outputs
 
     def abort_all(self) -> list[str]:
         """Abort every request, dropping their final outputs; returns their ids. The runners' batches start
         empty again, so this also recovers from a step that raised half-way."""
-        request_ids = list(self.output_processor.requests)
+        request_ids = sorted(self.output_processor.request_ids())
         for request_id in request_ids:
             self.abort_request(request_id)
         self.pending_outputs.clear()
@@ -122,9 +133,7 @@ class LLMEngine:
         retried without the suspects. Returns the ids dropped (the caller fails them).
         The retry repeats the failed step for the others when it failed before its results were applied
         (scheduling, the forward pass, sampling): seeded and greedy requests then get the same tokens."""
-        dropped = [request_id for request_id in request_ids if self.output_processor.abort(request_id) is not None]
-        for request_id in dropped:
-            self.scheduler.abort(request_id)
+        dropped = [request_id for request_id in request_ids if self._abort(request_id)]
         self._reset_batch()
         # a request the failed step finished before it raised is gone from the output processor: it leaves too
         for request_id in self.scheduler.waiting_ids() - set(self.output_processor.requests):

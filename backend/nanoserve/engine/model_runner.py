@@ -12,13 +12,25 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
-from nanoserve.engine.input_batch import InputBatch, StepInputs
+from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.sampling_params import SamplingParams
+
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits (a [rows, vocab] float32 tensor) are computed at once
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens, each given the tokens before it: per token its id, {token_id: logprob}
+    of the most likely tokens and itself, and its rank in the vocabulary."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    ranks: list[int]
 
 
 @dataclass
@@ -29,6 +41,9 @@ class RunnerOutput:
     # for the rows whose request asks for logprobs: row -> (the most likely token ids and their logprobs, largest
     # first; the sampled token's rank)
     top_logprobs: dict[int, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # for the rows that want prompt logprobs and computed prompt positions: request id -> (index in the prompt of
+    # the first token they are about, their logprobs)
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
 
 
 def pick_device(config: EngineConfig, rank: int) -> torch.device:
@@ -148,21 +163,34 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
         rank 0's RunnerOutput (None on the other ranks)."""
-        logits = self.run_model(out)
-        return None if logits is None else self.sample(logits, bitmask)
+        logits, prompt_logprobs = self._run(out)
+        return None if logits is None else self.sample(logits, bitmask, prompt_logprobs)
 
-    @torch.inference_mode()
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Apply the step's diffs and run the forward: the float32 logits [sampling rows, vocab] in row order on
         rank 0, None on the other ranks."""
+        return self._run(out)[0]
+
+    @torch.inference_mode()
+    def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, dict[str, tuple[int, PromptLogprobs]]]:
+        """run_model, and the prompt logprobs the step computes."""
         self.batch.update(out)
         inputs = self.batch.prepare(out)
         if not len(inputs.input_ids):  # a step that only preempted
-            return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device)
-        return self.forward(inputs)
+            return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device), {}
+        hidden, logits_indices = self.hidden_states(inputs)
+        prompt_logprobs = {}
+        if inputs.prompt_positions is not None:
+            prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_positions)
+        return self.logits(hidden, logits_indices), prompt_logprobs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others."""
+        return self.logits(*self.hidden_states(inputs))
+
+    def hidden_states(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's last hidden states [step tokens, hidden] and the indices of the sampled ones on the device
+        (None when every token is sampled, in order)."""
         input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables)
@@ -173,13 +201,46 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, batch)
         else:
             hidden = self.model(input_ids, positions, self.backend.build(batch))
-        if len(inputs.logits_indices) != len(inputs.input_ids):  # otherwise every token is sampled, in order
+        every_token = len(inputs.logits_indices) == len(inputs.input_ids)  # every token is sampled, in order
+        return hidden, None if every_token else logits_indices
+
+    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor | None:
+        """float32 logits of the sampled tokens' hidden states (all of them: logits_indices None) on rank 0, None
+        on the others."""
+        if logits_indices is not None:
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()
 
-    def sample(self, logits: torch.Tensor, bitmask: TokenBitmask | None = None) -> RunnerOutput:
-        """The next tokens of the rows the last prepared step samples, from their logits."""
+    def prompt_logprobs(self, hidden: torch.Tensor,
+                        positions: PromptPositions) -> dict[str, tuple[int, PromptLogprobs]]:
+        """The logprobs of the prompt tokens the step's hidden states predict, by request ({} on ranks > 0: every
+        rank computes the logits, which tensor parallelism gathers on rank 0). PROMPT_LOGITS_ROWS positions at a
+        time, so a long prompt chunk never holds [chunk, vocab] logits."""
+        indices = torch.from_numpy(positions.token_indices).to(self.device)
+        targets = torch.from_numpy(positions.target_ids).to(self.device)
+        num_top = max(row[3] for row in positions.rows)
+        parts = []
+        for start in range(0, len(indices), PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[indices[start:start + PROMPT_LOGITS_ROWS]])
+            if logits is not None:
+                parts.append(token_logprobs(logits.float(), targets[start:start + PROMPT_LOGITS_ROWS], num_top))
+        if not parts:
+            return {}
+        chosen, ranks, top_logprobs, top_ids = (torch.cat(part).tolist() for part in zip(*parts))
+        target_ids, chunks, offset = positions.target_ids.tolist(), {}, 0
+        for request_id, first, count, top_n in positions.rows:
+            entries = [{**dict(zip(top_ids[i][:top_n], top_logprobs[i][:top_n])), target_ids[i]: chosen[i]}
+                       for i in range(offset, offset + count)]
+            chunks[request_id] = (first, PromptLogprobs(target_ids[offset:offset + count], entries,
+                                                        ranks[offset:offset + count]))
+            offset += count
+        return chunks
+
+    def sample(self, logits: torch.Tensor, bitmask: TokenBitmask | None = None,
+               prompt_logprobs: dict | None = None) -> RunnerOutput:
+        """The next tokens of the rows the last prepared step samples, from their logits (within the bitmask of
+        the rows with structured outputs), and the step's prompt logprobs, passed through."""
         meta = self.batch.sampling_metadata(self.device, bitmask)
         sampled = self.sampler(logits, meta)
         top = {}
@@ -191,8 +252,9 @@ class ModelRunner:
                 top = dict(zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist(),
                                                       ranks)))
         if self.device.type == "cpu":
-            return RunnerOutput(sampled.token_ids.numpy(), sampled.sampled_logprobs.numpy(), top)
-        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top)
+            return RunnerOutput(sampled.token_ids.numpy(), sampled.sampled_logprobs.numpy(), top, prompt_logprobs or {})
+        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top,
+                            prompt_logprobs or {})
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""

@@ -5,7 +5,11 @@ A streamed request gets a RequestOutput (new tokens, text delta) every step it s
 finishes, with all its tokens and text, and is detokenized per step only when stop strings need the text. The
 rows that need no Python this step (not streamed, no stop strings or logprobs, below their length limit, and
 whose token cannot stop them) cost a few numpy calls over the batch. A request with structured outputs is looked
-at every step: its grammar's matcher takes each token, and ends the request ("stop") once the grammar is complete."""
+at every step: its grammar's matcher takes each token, and ends the request ("stop") once the grammar is complete.
+
+A request with n > 1 is n sequences (its samples); each has its own state, matcher and outputs, carrying the
+request's id and the sample's index. An output's `finished` says the request has ended: it is set on the output of
+the last sample to finish."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +18,7 @@ from operator import attrgetter
 import numpy as np
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.model_runner import RunnerOutput
+from nanoserve.engine.model_runner import PromptLogprobs, RunnerOutput
 from nanoserve.engine.scheduler import SampledSeqs
 from nanoserve.engine.sequence import Sequence
 
@@ -33,14 +37,28 @@ class RequestOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
     new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
+    index: int = 0  # which of the request's n samples this output is about (finish_reason is that sample's)
+    # with the prompt_logprobs parameter: on the request's first output when streamed, else on its last
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class Samples:
+    """The n > 1 sequences of one request: their ids, and how many have not finished."""
+    __slots__ = ("sequence_ids", "num_unfinished")
+
+    def __init__(self, sequence_ids: list[str]):
+        self.sequence_ids, self.num_unfinished = sequence_ids, len(sequence_ids)
 
 
 class RequestState:
     __slots__ = ("seq", "detokenizer", "stream", "stop_token_ids", "wants_logprobs", "needs_text", "watched",
-                 "logprobs", "logprob_ranks", "cumulative_logprob")
+                 "logprobs", "logprob_ranks", "cumulative_logprob", "request_id", "index", "samples",
+                 "prompt_logprobs")
 
-    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, stream: bool):
+    def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, stream: bool, request_id: str,
+                 index: int = 0, samples: Samples | None = None):
         self.seq, self.detokenizer, self.stream = seq, detokenizer, stream
+        self.request_id, self.index, self.samples = request_id, index, samples  # samples: None when n is 1
         params = seq.sampling_params
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.wants_logprobs = params.logprobs is not None
@@ -50,6 +68,10 @@ class RequestState:
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
         self.logprob_ranks: list[int] = []  # per generated token: its rank in the vocabulary
         self.cumulative_logprob = 0.0  # summed only while watched
+        self.prompt_logprobs = None  # filled as the prompt is computed (with the prompt_logprobs parameter)
+        if params.prompt_logprobs is not None:
+            prompt = seq.token_ids[1:seq.num_prompt_tokens]
+            self.prompt_logprobs = PromptLogprobs(prompt, [None] * len(prompt), [0] * len(prompt))
 
 
 _request_id = attrgetter("request_id")
@@ -59,9 +81,12 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids, vocab_size: int):
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.requests: dict[str, RequestState] = {}
-        self.watched: set[str] = set()  # the requests looked at every step
-        self.constrained: set[str] = set()  # the requests with structured outputs (a grammar)
+        self.requests: dict[str, RequestState] = {}  # by sequence id (a request's id when n is 1)
+        self.samples: dict[str, Samples] = {}  # the requests with n > 1, by request id
+        self.watched: set[str] = set()  # the sequences looked at every step
+        self.constrained: set[str] = set()  # the sequences with structured outputs (a grammar)
+        # streamed sequences whose prompt logprobs go with their first output, by (request id, index)
+        self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -71,33 +96,81 @@ class OutputProcessor:
             if 0 <= token_id < len(self.may_stop):
                 self.may_stop[token_id] = True
 
-    def add(self, seq: Sequence, stream: bool) -> None:
-        params = seq.sampling_params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                             params.include_stop_str_in_output)
-        state = self.requests[seq.request_id] = RequestState(seq, detokenizer, stream)
-        if state.watched:
-            self.watched.add(seq.request_id)
-        if seq.grammar is not None:
-            self.constrained.add(seq.request_id)
-        self._mark_stop_ids(params.stop_token_ids)
+    def add(self, request_id: str, seqs: list[Sequence], stream: bool) -> None:
+        """A request's sequences: one, or its n samples in order."""
+        samples = None
+        if len(seqs) > 1:
+            samples = self.samples[request_id] = Samples([seq.request_id for seq in seqs])
+        for index, seq in enumerate(seqs):
+            params = seq.sampling_params
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                                 params.include_stop_str_in_output)
+            state = self.requests[seq.request_id] = RequestState(seq, detokenizer, stream, request_id, index, samples)
+            if state.watched:
+                self.watched.add(seq.request_id)
+            if seq.grammar is not None:
+                self.constrained.add(seq.request_id)
+            if stream and state.prompt_logprobs is not None:
+                self.prompt_logprobs_due[request_id, index] = state
+            self._mark_stop_ids(params.stop_token_ids)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """The final output of an aborted request (what it generated, reason "abort"); None if unknown."""
-        state = self.requests.pop(request_id, None)
-        if state is None:
-            return None
-        self.watched.discard(request_id)
-        self.constrained.discard(request_id)
-        if state.stream:
-            return self._output(state, [], state.detokenizer.flush(), "abort")
-        return self._final_output(state, "abort")
+    def sequence_ids(self, request_id: str) -> list[str]:
+        """The ids of a request's sequences (the request's own id when n is 1), finished ones included."""
+        samples = self.samples.get(request_id)
+        return list(samples.sequence_ids) if samples is not None else [request_id]
+
+    def request_ids(self) -> set[str]:
+        """The requests that have not finished."""
+        if not self.samples:
+            return set(self.requests)
+        return {state.request_id for state in self.requests.values()}
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """The final outputs of an aborted request's unfinished sequences (what each generated, reason "abort");
+        none if it is unknown."""
+        outputs = []
+        for sequence_id in self.sequence_ids(request_id):
+            state = self.requests.pop(sequence_id, None)
+            if state is None:
+                continue
+            self.watched.discard(sequence_id)
+            self.constrained.discard(sequence_id)
+            self.prompt_logprobs_due.pop((request_id, state.index), None)
+            done = self._sequence_done(state)
+            if state.stream:
+                outputs.append(self._output(state, [], state.detokenizer.flush(), "abort", done))
+            else:
+                outputs.append(self._final_output(state, "abort", done))
+        return outputs
+
+    def _sequence_done(self, state: RequestState) -> bool:
+        """A sequence of the request has finished: True when it was the last one."""
+        samples = state.samples
+        if samples is None:
+            return True
+        samples.num_unfinished -= 1
+        if samples.num_unfinished:
+            return False
+        del self.samples[state.request_id]
+        return True
+
+    def _add_prompt_logprobs(self, chunks: dict[str, tuple[int, PromptLogprobs]]) -> None:
+        """A step's prompt logprobs, per sequence (from its first prompt token's index). A prompt computed again
+        after a preemption writes the same places again."""
+        for sequence_id, (start, chunk) in chunks.items():
+            state = self.requests.get(sequence_id)
+            if state is None or state.prompt_logprobs is None:
+                continue
+            whole, end = state.prompt_logprobs, start - 1 + len(chunk.token_ids)
+            whole.logprobs[start - 1:end], whole.ranks[start - 1:end] = chunk.logprobs, chunk.ranks
 
     def process(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput,
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, str]]:
         """After the scheduler appended the sampled tokens: add this step's RequestOutputs to `outputs`; returns
         the sequences that finish, with their reasons. The loop body runs for every streamed request at every
         step, so its common path is written out here rather than split into calls."""
+        if sampled.prompt_logprobs:
+            self._add_prompt_logprobs(sampled.prompt_logprobs)
         seqs, requests = sampled_seqs.seqs, self.requests
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
@@ -123,7 +196,7 @@ class OutputProcessor:
                                                                   sampled.top_logprobs[row])
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
-            reason = None
+            reason, done = None, False
             grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
             if stopping[row] or grammar_ends or detokenizer.stop_matched is not None:
                 reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
@@ -133,16 +206,26 @@ class OutputProcessor:
                     del requests[seq.request_id]
                     self.watched.discard(seq.request_id)
                     self.constrained.discard(seq.request_id)
+                    done = self._sequence_done(state)
                     if not state.stream:
-                        outputs.append(self._final_output(state, reason))
+                        outputs.append(self._final_output(state, reason, done))
                         continue
                     delta += detokenizer.flush()
             if state.stream:
-                outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
+                outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason,
                                              seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
                                              state.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
-                                             new_ranks))
+                                             new_ranks, state.index))
+        if self.prompt_logprobs_due:
+            self._attach_prompt_logprobs(outputs)
         return finished
+
+    def _attach_prompt_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """A streamed sequence's prompt logprobs go with its first output: they are complete once it samples."""
+        for output in outputs:
+            state = self.prompt_logprobs_due.pop((output.request_id, output.index), None)
+            if state is not None:
+                output.prompt_logprobs = state.prompt_logprobs
 
     @staticmethod
     def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> tuple[list[dict], list[int]]:
@@ -166,21 +249,22 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _output(state: RequestState, token_ids: list[int], delta: str, reason: str | None,
-                new_logprobs=()) -> RequestOutput:
+    def _output(state: RequestState, token_ids: list[int], delta: str, reason: str, done: bool) -> RequestOutput:
         seq = state.seq
-        return RequestOutput(seq.request_id, token_ids, delta, reason is not None, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, state.cumulative_logprob, list(new_logprobs),
-                             seq.num_cached_tokens)
+        return RequestOutput(state.request_id, token_ids, delta, done, reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, state.cumulative_logprob, [], seq.num_cached_tokens,
+                             index=state.index)
 
     @staticmethod
-    def _final_output(state: RequestState, reason: str) -> RequestOutput:
-        """The one output of a request that is not streamed: all its tokens, text and logprobs."""
+    def _final_output(state: RequestState, reason: str, done: bool) -> RequestOutput:
+        """The one output of a sequence that is not streamed: all its tokens, text and logprobs (and the prompt's,
+        once it has been computed: the sequence sampled)."""
         seq, detokenizer = state.seq, state.detokenizer
         if not state.needs_text:
             detokenizer.add(seq.output_token_ids)
         detokenizer.flush()
-        return RequestOutput(seq.request_id, seq.output_token_ids, detokenizer.text, True, reason,
+        return RequestOutput(state.request_id, seq.output_token_ids, detokenizer.text, done, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens,
                              state.cumulative_logprob if state.watched else None, list(state.logprobs),
-                             seq.num_cached_tokens, list(state.logprob_ranks))
+                             seq.num_cached_tokens, list(state.logprob_ranks), state.index,
+                             state.prompt_logprobs if seq.num_output_tokens else None)

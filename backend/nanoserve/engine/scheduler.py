@@ -8,7 +8,11 @@ back to the front of the waiting queue.
 The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
 (kept only here: a waiting sequence has none), tokens and KV slots held (the lengths of the sequence's token
 list and block table, written where those change), prompt length and length limit. A step's decisions are numpy
-over the rows; only the rows that need a new block, and admissions, cost Python."""
+over the rows; only the rows that need a new block, and admissions, cost Python.
+
+The n samples of a request are n sequences. The first computes the prompt; the others wait in the queue behind it
+until it has, then start from its full prompt blocks (shared by reference count) and compute only the rest of the
+prompt, as vLLM v1's samples start from the prefix cache."""
 from __future__ import annotations
 
 from collections import deque
@@ -50,6 +54,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prompt positions computed, i.e. not taken from the prefix cache
         self._finished_ids: list[str] = []  # running sequences that finished or were aborted since schedule()
+        self.fork_sources: dict[str, Sequence] = {}  # a later sample's id -> its request's first, until admitted
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
 
     # ---- queues ----
@@ -88,12 +93,17 @@ class Scheduler:
                              f"{worst_case} KV cache blocks of {self.block_size} tokens, but the pool has only "
                              f"{total}; it could never fit")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, fork_of: Sequence | None = None) -> None:
+        """Queue a sequence; fork_of: the first sample of its request (added just before it), whose prompt blocks
+        it shares once that one has computed them."""
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        if fork_of is not None:
+            self.fork_sources[seq.request_id] = fork_of
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is and free its blocks at once."""
+        self.fork_sources.pop(request_id, None)
         for seq in self.running:
             if seq.request_id == request_id:
                 self.finish(seq, "abort")
@@ -199,18 +209,33 @@ class Scheduler:
         return (np.concatenate([counts, new_counts]).astype(np.int64) if new_counts else counts), num_batched
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
-        """Take the cached prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
-        it does not fit."""
+        """Take the computed prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
+        it does not fit, or the sequence must wait."""
+        first = self.fork_sources.get(seq.request_id)
+        if first is not None and not first.num_output_tokens and not first.is_finished:
+            return 0, 0  # its request's first sample has not computed the prompt yet
         block_manager = self.block_manager
-        num_cached = block_manager.allocate_cached_prefix(seq)
+        num_cached = self._take_prefix(seq, first)
         num_new = min(seq.num_tokens - num_cached, budget)
         if not block_manager.can_allocate(block_manager.num_blocks_needed(seq, num_cached + num_new)):
             block_manager.undo_cached_prefix(seq, num_cached)
             return 0, 0
         block_manager.allocate(seq, num_cached + num_new)
+        self.fork_sources.pop(seq.request_id, None)
         seq.status = SequenceStatus.RUNNING
         seq.num_cached_tokens = num_cached
         return num_cached, num_new
+
+    def _take_prefix(self, seq: Sequence, first: Sequence | None) -> int:
+        """The computed KV an admitted sequence starts from (in tokens): its request's first sample's full prompt
+        blocks while that one runs, else the cached prefix. A sequence that wants prompt logprobs and has none yet
+        takes no cached prefix: every prompt position's logits are needed (vLLM does the same)."""
+        if first is not None and first.status is SequenceStatus.RUNNING:
+            computed = min(seq.num_prompt_tokens - 1, self.num_computed_tokens(first))
+            return self.block_manager.fork(first, seq, computed // self.block_size)
+        if seq.sampling_params.prompt_logprobs is not None and not seq.num_output_tokens:
+            return 0
+        return self.block_manager.allocate_cached_prefix(seq)
 
     def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray) -> SampledSeqs:
         """After the step `out` described ran (no sequence finished in between): record the computed KV, append

@@ -163,6 +163,18 @@ class Sampler:
         return cache[device]
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """Logprobs of given tokens (prompt logprobs: the model's distribution, no penalties or temperature): for
+    logits [N, V] and token_ids [N], the tokens' logprobs [N], their ranks [N] (1 + the tokens with a larger
+    logprob, ties counting as larger, as for sampled tokens), and the num_top largest logprobs [N, num_top] and
+    their token ids."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    top = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)
+    return chosen.squeeze(1), ranks, top.values, top.indices
+
+
 def sample_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One categorical draw per row of non-negative, unnormalized weights [N, V]: the first token whose
     cumulative weight exceeds u * total, for uniforms u [N, 1] in [0, 1). Zero-weight tokens are never drawn:

@@ -105,7 +105,7 @@ class EngineThread:
             self.results.put(result)
 
     def _step(self, result: StepResult) -> None:
-        in_flight = set(self.engine.output_processor.requests)
+        in_flight = self.engine.output_processor.request_ids()
         try:
             result.outputs = self.engine.step()
         except Exception:
@@ -119,7 +119,7 @@ class EngineThread:
         result.failed += [(request_id, "internal error: the engine step failed with this request in it (see the "
                                        "server log)") for request_id in suspects]
         # finished by the failed step before it raised: their last output is lost
-        lost = in_flight - set(self.engine.output_processor.requests) - set(suspects)
+        lost = in_flight - self.engine.output_processor.request_ids() - set(suspects)
         result.failed += [(request_id, "internal error: the engine step failed (see the server log)")
                           for request_id in sorted(lost)]
         try:

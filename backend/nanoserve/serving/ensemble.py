@@ -32,7 +32,7 @@ from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, ma
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.model_json import max_model_len_bound, tokenizer_dir
 from nanoserve.serving.request import json_object, required, single, utf8
-from nanoserve.serving.responses import (Generated, Stream, accumulate, finish_reason_text, optional_arrays,
+from nanoserve.serving.responses import (Entry, Generated, Stream, accumulate, finish_reason_text, optional_arrays,
                                          string_array, token_decoder)
 
 CONTEXT_IDS = 16
@@ -44,7 +44,7 @@ def token_formatter(tokenizer, every_step: bool = False):
     streamed step has new ids to send, so every_step (see text_formatter) changes nothing here."""
     special_ids = special_token_ids(tokenizer)
     token_text = token_decoder(tokenizer)
-    return lambda stream, output: token_arrays(stream, output, special_ids, token_text)
+    return lambda stream, outputs: token_arrays(stream, outputs, special_ids, token_text)
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -67,7 +67,7 @@ class DecodeContext:
     @classmethod
     def of(cls, params, special_ids: frozenset) -> "DecodeContext":
         skipped = special_ids if params.skip_special_tokens else frozenset()
-        return cls(context_size(params), string_array(detokenize_params(params)), skipped)
+        return cls(context_size(params), string_array([detokenize_params(params)]), skipped)
 
     def window(self) -> list[int]:
         """The shortest end of the tail with `size` ids that decoding keeps (all of it when shorter)."""
@@ -85,10 +85,11 @@ class DecodeContext:
             del self.tail[:-(2 * self.size + 1)]
 
 
-def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset(), token_text=str) -> dict | None:
+def token_arrays(stream: Stream, outputs: list, special_ids: frozenset = frozenset(), token_text=str) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
-    ("None" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
-    request = stream.request
+    ("None" until the last response) and detokenize_params in every response, so postprocessing needs no state.
+    One sequence per request (parse_request refuses n > 1 here): `outputs` is one output."""
+    request, (output,) = stream.request, outputs
     if stream.formatter_state is None:
         stream.formatter_state = DecodeContext.of(request.sampling_params, special_ids)
     context = stream.formatter_state
@@ -98,15 +99,17 @@ def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset(), t
         generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         window = context.window()  # output only, as the engine decodes it
         context.add(generated.token_ids)
+        prompt_logprobs = output.prompt_logprobs
     else:
-        if not accumulate(stream, output):
+        if not accumulate(stream, outputs):
             return None
-        generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
-        window = []
-    return {**optional_arrays(request, output, generated, token_text),
+        sample = stream.samples[0]
+        generated = Generated(sample.token_ids, sample.logprobs, sample.logprob_ranks)
+        window, prompt_logprobs = [], stream.prompt_logprobs
+    return {**optional_arrays(request, [Entry("", generated, output)], prompt_logprobs, token_text),
             "output_ids": np.array(generated.token_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),
-            "finish_reason": string_array(finish_reason_text(output)),
+            "finish_reason": string_array([finish_reason_text(output)]),
             "detokenize_params": context.params}
 
 

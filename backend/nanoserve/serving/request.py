@@ -14,7 +14,8 @@ import numpy as np
 from nanoserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # return_<name> flags and the optional outputs they switch on
-OPTIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
+OPTIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
+                    "prompt_logprobs")
 # TRT-LLM-style scalar tensors (and Triton's OpenAI frontend): tensor name -> (Triton type, SamplingParams field)
 SCALAR_INPUTS = {
     "max_tokens": ("TYPE_INT32", "max_tokens"),
@@ -48,6 +49,7 @@ _COMMON_OUTPUTS = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
 ]
 # mode "text": the vllm_backend-compatible text model
 TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_INPUTS]
@@ -89,6 +91,8 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
         values, flag_values = json_object("sampling_parameters", single("sampling_parameters", tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
     params = _sampling_params({**values, **_scalar_tensors(get)})
+    if tokens and params.n > 1:
+        raise ValueError(f"n: the token model (the ensemble) generates one sequence per request, got {params.n}")
     # return_logprobs without a `logprobs` sampling parameter returns null, as vllm_backend does
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)

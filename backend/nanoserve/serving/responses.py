@@ -26,6 +26,16 @@ TOKEN_LEVEL_OUTPUTS = frozenset({"logprobs", "cumulative_logprob", "num_output_t
 
 
 @dataclass
+class Sample:
+    """One sequence of a request (one of its n samples) as the response thread sees it."""
+    token_ids: list[int] = field(default_factory=list)  # all generated ids so far
+    last: object = None  # its latest RequestOutput (finish reason, cumulative logprob); None before its first
+    text: str = ""  # non-streaming: accumulated output
+    logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
+    logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
+
+
+@dataclass
 class Stream:
     """One in-flight request as the response thread sees it."""
     sender: object
@@ -35,12 +45,20 @@ class Stream:
     last_token: float | None = None
     cancelled: bool = False
     responded: bool = False  # a response was sent (the first one is never held back)
-    text: str = ""  # non-streaming: accumulated output
-    token_ids: list[int] = field(default_factory=list)  # all generated ids so far
-    logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
-    logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
+    samples: list[Sample] = field(init=False)  # the request's n sequences, by index
+    prompt_logprobs: object = None  # non-streaming: the request's PromptLogprobs, once they came
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
     triton_request_id: str = ""  # the id the client gave the Triton request, if any (for the log)
+
+    def __post_init__(self):
+        self.samples = [Sample() for _ in range(self.request.sampling_params.n)]
+
+    def add(self, outputs: list) -> None:
+        """The outputs of a response: each one's sample gets its tokens, and it as its latest output."""
+        for output in outputs:
+            sample = self.samples[output.index]
+            sample.token_ids += output.new_token_ids
+            sample.last = output
 
 
 @dataclass
@@ -62,8 +80,9 @@ CANCEL_CHECKS_PER_ROUND = 8  # 64 streams: each asked every 0.8 s
 
 
 class ResponseThread:
-    """formatter(stream, output) -> dict of output arrays to send now, or None (nothing to send yet; never for
-    a finished output). It is called before stream.token_ids is extended with output.new_token_ids.
+    """formatter(stream, outputs) -> dict of output arrays to send now, or None (nothing to send yet; never when
+    the request has finished). `outputs` are the request's RequestOutputs to send, one per sample that has any
+    (merged), after each sample's token_ids and last output were updated with them.
 
     A response costs CPU per response, not per token: an IPC round trip to tritonserver, which then builds it,
     serializes it and writes it to the client, all on the cores the engine runs on. So outputs wait in
@@ -96,7 +115,7 @@ class ResponseThread:
         self._engine_failed = False
         self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
         self.streams: dict[str, Stream] = {}
-        self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
+        self.pending: dict[str, list] = {}  # request_id -> its merged RequestOutputs not sent yet (merge_into)
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
         self._next_check = 0.0
         self._next_publish = 0.0  # clock() from which recorded metrics are published
@@ -180,35 +199,36 @@ class ResponseThread:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
-        outputs = [output for step in steps for output in step.outputs]
-        if self.every_step:
-            for output in outputs:
-                self._send_output(output)
+        if self.every_step:  # one response per step and request
+            for step in steps:
+                for request_id, outputs in merge_into({}, step.outputs).items():
+                    self._send_output(request_id, outputs)
         else:
-            merge_into(self.pending, outputs)  # after counting: it joins them
+            merge_into(self.pending, [output for step in steps for output in step.outputs])  # after counting
 
     def _flush(self, force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
         start = self.clock()
         regular = force or start >= self._next_flush
-        due = [o for o in self.pending.values() if regular or self._urgent(o)]
-        for output in due:
-            del self.pending[output.request_id]
-            self._send_output(output)
+        due = [(request_id, outputs) for request_id, outputs in self.pending.items()
+               if regular or self._urgent(request_id, outputs)]
+        for request_id, outputs in due:
+            del self.pending[request_id]
+            self._send_output(request_id, outputs)
         if regular and due:
             self._next_flush = start + (self.clock() - start) / self.send_budget
 
-    def _urgent(self, output) -> bool:
-        stream = self.streams.get(output.request_id)
-        return output.finished or stream is None or stream.cancelled or not stream.responded
+    def _urgent(self, request_id: str, outputs: list) -> bool:
+        stream = self.streams.get(request_id)
+        return outputs[-1].finished or stream is None or stream.cancelled or not stream.responded
 
-    def _send_output(self, output) -> None:
+    def _send_output(self, request_id: str, outputs: list) -> None:
         try:
-            self._on_output(output)
+            self._on_output(request_id, outputs)
         except Exception:  # this request fails, not the others
             logger.exception("nanoserve: sending a response failed")
-            self.engine_thread.abort(output.request_id)
-            self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
+            self.engine_thread.abort(request_id)
+            self._fail(request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _publish_metrics(self, force: bool = False) -> None:
         """Every PUBLISH_INTERVAL; a backlog of histogram samples goes a slice per round (responses go out between
@@ -263,28 +283,30 @@ class ResponseThread:
                 logger.info("nanoserve: request %s%s was cancelled; aborting it", request_id, triton_id)
                 self.engine_thread.abort(request_id)
 
-    # ---- one output ---------------------------------------------------------------------------------
-    def _on_output(self, output) -> None:
-        stream = self.streams.get(output.request_id)
+    # ---- one response ---------------------------------------------------------------------------------
+    def _on_output(self, request_id: str, outputs: list) -> None:
+        stream = self.streams.get(request_id)
         if stream is None:  # already ended (a failure raced with a last output)
             return
+        stream.add(outputs)
+        finished = outputs[-1].finished  # merge_into puts the latest last
         if stream.cancelled:
-            if output.finished:
-                self._fail(output.request_id, "request cancelled", self.pb.TritonError.CANCELLED, output)
+            if finished:
+                self._fail(request_id, "request cancelled", self.pb.TritonError.CANCELLED, finished=True)
             return
-        arrays = self.formatter(stream, output)
-        stream.token_ids += output.new_token_ids
-        if output.finished:
-            self._finish(output.request_id, output, arrays)
+        arrays = self.formatter(stream, outputs)
+        if finished:
+            self._finish(request_id, arrays)
         elif arrays is not None:
             stream.sender.send(self._response(arrays))
             stream.responded = True
 
     def _record_timing(self, step: StepResult) -> None:
-        """TTFT, and the times of the first and last tokens, from the time the engine step produced them."""
+        """TTFT, and the times of the first and last tokens, from the time the engine step produced them (once per
+        request and step, whatever number of its samples got a token)."""
         for output in step.outputs:
             stream = self.streams.get(output.request_id)
-            if stream is None or not output.new_token_ids:
+            if stream is None or not output.new_token_ids or stream.last_token == step.time:
                 continue
             if stream.first_token is None:
                 stream.first_token = step.time
@@ -293,34 +315,38 @@ class ResponseThread:
                 self.metrics.record_token_gap(step.time - stream.last_token)
             stream.last_token = step.time
 
-    def _finish(self, request_id: str, output, arrays: dict) -> None:
+    def _finish(self, request_id: str, arrays: dict) -> None:
         stream = self.streams.pop(request_id)
-        self._record_finished(stream, output)
+        self._record_finished(stream)
         stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _fail(self, request_id: str, message: str, code, output=None) -> None:
+    def _fail(self, request_id: str, message: str, code, finished: bool = False) -> None:
+        """End the request with an error; finished: the engine ended it (its metrics are recorded)."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        if output is not None:
-            self._record_finished(stream, output)
+        if finished:
+            self._record_finished(stream)
         self._send_error(stream.sender, message, code)
 
-    def _record_finished(self, stream: Stream, output) -> None:
+    def _record_finished(self, stream: Stream) -> None:
         """Before the last response is sent; the last request in flight also publishes every metric then, so a
         client that has its last response reads metrics that count it."""
-        self._record_latencies(stream, output)
+        self._record_latencies(stream)
         if not self.streams:
             self._publish_metrics(force=True)
 
-    def _record_latencies(self, stream: Stream, output) -> None:
+    def _record_latencies(self, stream: Stream) -> None:
+        """One request: the reason of its last sample to end, and the tokens of all its samples."""
+        last = max((sample.last for sample in stream.samples if sample.last is not None), key=lambda o: o.finished)
         end = stream.last_token or time.monotonic()
-        self.metrics.record_finished(output.finish_reason, end - stream.arrival, output.num_prompt_tokens,
-                                     output.num_output_tokens)
-        if stream.first_token is not None and output.num_output_tokens > 1:
+        self.metrics.record_finished(last.finish_reason, end - stream.arrival, last.num_prompt_tokens,
+                                     sum(len(sample.token_ids) for sample in stream.samples))
+        longest = max(len(sample.token_ids) for sample in stream.samples)
+        if stream.first_token is not None and longest > 1:
             # one sample per request, its mean (genai-perf's inter-token latency): a sample per token would be
             # an IPC round trip to tritonserver per token, ~15% of the throughput at 64 streams on 2 cores
-            self.metrics.record_inter_token((end - stream.first_token) / (output.num_output_tokens - 1))
+            self.metrics.record_inter_token((end - stream.first_token) / (longest - 1))
 
     # ---- Triton objects -----------------------------------------------------------------------------
     def _response(self, arrays: dict):
@@ -331,21 +357,30 @@ class ResponseThread:
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def merge_into(pending: dict, outputs) -> None:
-    """Add outputs to pending (request_id -> output), one per request: a request's consecutive outputs joined
-    (tokens, text, logprobs) into its latest one, which has the latest counts and finish state. Runs for every
-    streamed request at every step, so it sets three fields in place rather than copying the dataclass."""
+def merge_into(pending: dict, outputs) -> dict:
+    """Add outputs to pending (request_id -> its outputs, one per sample that has any, the latest last) and return
+    it: a sample's consecutive outputs joined (tokens, text, logprobs) into its latest one, which has the latest
+    counts and finish state. Runs for every streamed request at every step, so it sets the joined fields in place
+    rather than copying the dataclass."""
     for output in outputs:
-        earlier = pending.get(output.request_id)
-        if earlier is not None:
-            output.new_token_ids = earlier.new_token_ids + output.new_token_ids
-            output.text_delta = earlier.text_delta + output.text_delta
-            output.new_logprobs = earlier.new_logprobs + output.new_logprobs
-            output.new_logprob_ranks = earlier.new_logprob_ranks + output.new_logprob_ranks
-        pending[output.request_id] = output
+        merged = pending.get(output.request_id)
+        if merged is None:
+            pending[output.request_id] = [output]
+            continue
+        for i, earlier in enumerate(merged):
+            if earlier.index == output.index:
+                output.new_token_ids = earlier.new_token_ids + output.new_token_ids
+                output.text_delta = earlier.text_delta + output.text_delta
+                output.new_logprobs = earlier.new_logprobs + output.new_logprobs
+                output.new_logprob_ranks = earlier.new_logprob_ranks + output.new_logprob_ranks
+                output.prompt_logprobs = earlier.prompt_logprobs or output.prompt_logprobs
+                del merged[i]
+                break
+        merged.append(output)  # the latest last: the one that finishes the request, if it has
+    return pending
 
 
-# ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
+# ---- formatters: (stream, RequestOutputs) -> arrays ----------------------------------------------------
 class Generated(NamedTuple):
     """The tokens one response reports: their ids, and with logprobs each one's {token_id: logprob} (the sampled
     token and the top ones) and the sampled token's rank."""
@@ -354,11 +389,22 @@ class Generated(NamedTuple):
     ranks: list[int]
 
 
+NOTHING = Generated([], [], [])
+
+
+class Entry(NamedTuple):
+    """What one response says about one sample: its text, its tokens, and its latest output (finish reason,
+    cumulative logprob; None before it has one)."""
+    text: str
+    generated: Generated
+    output: object
+
+
 def text_formatter(tokenizer, every_step: bool = False):
     """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer.
     every_step: a streamed step whose text is held back still gets a response (an empty delta)."""
     token_text = token_decoder(tokenizer)
-    return lambda stream, output: text_arrays(stream, output, token_text, every_step)
+    return lambda stream, outputs: text_arrays(stream, outputs, token_text, every_step)
 
 
 def token_decoder(tokenizer):
@@ -369,52 +415,101 @@ def token_decoder(tokenizer):
     return token_text
 
 
-def text_arrays(stream: Stream, output, token_text, every_step: bool = False) -> dict | None:
-    """Text model: streaming sends deltas (never the prompt); otherwise one response when finished."""
+def text_arrays(stream: Stream, outputs: list, token_text, every_step: bool = False) -> dict | None:
+    """Text model: one entry per sample in every output tensor. Streaming sends each sample's delta (never the
+    prompt; empty for a sample with nothing new); otherwise one response when the request has finished. Runs for
+    every streamed response, so its checks are loops rather than generators."""
     request = stream.request
-    if request.stream:
-        token_level = output.new_token_ids and request.outputs & TOKEN_LEVEL_OUTPUTS
-        if not (output.text_delta or output.finished or token_level or every_step):
-            return None  # text held back (an incomplete character or a possible stop string)
-        generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
-        return {"text_output": string_array(output.text_delta),
-                **optional_arrays(request, output, generated, token_text)}
-    stream.text += output.text_delta
-    if not accumulate(stream, output):
+    if not request.stream:
+        return whole_text_arrays(stream, outputs, token_text)
+    token_level, send, prompt_logprobs = bool(request.outputs & TOKEN_LEVEL_OUTPUTS), every_step, None
+    for output in outputs:
+        send = send or output.text_delta or output.finished or (token_level and output.new_token_ids)
+        if output.prompt_logprobs is not None:
+            prompt_logprobs = output.prompt_logprobs
+    if not send:
+        return None  # text held back (an incomplete character or a possible stop string)
+    entries = streamed_entries(stream, outputs)
+    return {"text_output": string_array([entry.text for entry in entries]),
+            **optional_arrays(request, entries, prompt_logprobs, token_text)}
+
+
+def whole_text_arrays(stream: Stream, outputs: list, token_text) -> dict | None:
+    """Not streamed: each sample's whole text (the prompt first, unless exclude_input_in_output), once the request
+    has finished."""
+    if not accumulate(stream, outputs):
         return None
-    text = stream.text if request.exclude_input else request.prompt + stream.text
-    generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
-    return {"text_output": string_array(text), **optional_arrays(request, output, generated, token_text)}
+    prefix = "" if stream.request.exclude_input else stream.request.prompt
+    entries = [Entry(prefix + sample.text, Generated(sample.token_ids, sample.logprobs, sample.logprob_ranks),
+                     sample.last) for sample in stream.samples]
+    return {"text_output": string_array([entry.text for entry in entries]),
+            **optional_arrays(stream.request, entries, stream.prompt_logprobs, token_text)}
 
 
-def accumulate(stream: Stream, output) -> bool:
-    """A non-streamed request: keep the output's logprobs; True when it is the last one."""
-    stream.logprobs += output.new_logprobs
-    stream.logprob_ranks += output.new_logprob_ranks
-    return output.finished
+def streamed_entries(stream: Stream, outputs: list) -> list[Entry]:
+    """Per sample: what these outputs bring, or nothing new."""
+    entries = [None] * len(stream.samples)
+    for output in outputs:
+        entries[output.index] = Entry(output.text_delta, Generated(output.new_token_ids, output.new_logprobs,
+                                                                   output.new_logprob_ranks), output)
+    if len(outputs) < len(entries):
+        for index, sample in enumerate(stream.samples):
+            entries[index] = entries[index] or Entry("", NOTHING, sample.last)
+    return entries
 
 
-def optional_arrays(request: ParsedRequest, output, generated: Generated, token_text) -> dict:
-    """The outputs the request asked for with return_* flags, in vllm_backend's formats."""
-    arrays = {}
-    if "finish_reason" in request.outputs:
-        arrays["finish_reason"] = string_array(finish_reason_text(output))
-    if "cumulative_logprob" in request.outputs:
-        arrays["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
-    if "logprobs" in request.outputs:
+def accumulate(stream: Stream, outputs: list) -> bool:
+    """A non-streamed request: keep each sample's text and logprobs, and the prompt's logprobs; True when the
+    request has finished."""
+    for output in outputs:
+        sample = stream.samples[output.index]
+        sample.text += output.text_delta
+        sample.logprobs += output.new_logprobs
+        sample.logprob_ranks += output.new_logprob_ranks
+        if output.prompt_logprobs is not None:
+            stream.prompt_logprobs = output.prompt_logprobs
+    return outputs[-1].finished
+
+
+def optional_arrays(request: ParsedRequest, entries: list[Entry], prompt_logprobs, token_text) -> dict:
+    """The outputs the request asked for with return_* flags, in vllm_backend's formats, one entry per sample
+    (num_input_tokens and prompt_logprobs: one per request)."""
+    arrays, outputs = {}, request.outputs
+    if "finish_reason" in outputs:
+        arrays["finish_reason"] = string_array([finish_reason_text(entry.output) for entry in entries])
+    if "cumulative_logprob" in outputs:
+        arrays["cumulative_logprob"] = np.array([0.0 if entry.output is None else entry.output.cumulative_logprob
+                                                 for entry in entries], dtype=np.float32)
+    if "logprobs" in outputs:
         top_n = request.sampling_params.logprobs
-        per_token = None if top_n is None else vllm_logprobs(generated, top_n, token_text)
-        arrays["logprobs"] = string_array(json.dumps(per_token))
-    if "num_input_tokens" in request.outputs:
-        arrays["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
-    if "num_output_tokens" in request.outputs:
-        arrays["num_output_tokens"] = np.array([len(generated.token_ids)], dtype=np.uint32)
+        arrays["logprobs"] = string_array([json.dumps(None if top_n is None else
+                                                      vllm_logprobs(entry.generated, top_n, token_text))
+                                           for entry in entries])
+    if "num_input_tokens" in outputs:
+        first = next(entry.output for entry in entries if entry.output is not None)
+        arrays["num_input_tokens"] = np.array([first.num_prompt_tokens], dtype=np.uint32)
+    if "num_output_tokens" in outputs:
+        arrays["num_output_tokens"] = np.array([len(entry.generated.token_ids) for entry in entries],
+                                               dtype=np.uint32)
+    if "prompt_logprobs" in outputs:
+        arrays["prompt_logprobs"] = string_array([json.dumps(prompt_logprobs_json(request, prompt_logprobs,
+                                                                                  token_text))])
     return arrays
 
 
 def finish_reason_text(output) -> str:
-    """"stop", "length" or "abort" on the last response; "None" before it, as vllm_backend sends."""
-    return str(output.finish_reason) if output.finished else "None"
+    """A sample's "stop", "length" or "abort" once it has ended; "None" before, as vllm_backend sends."""
+    return "None" if output is None or output.finish_reason is None else str(output.finish_reason)
+
+
+def prompt_logprobs_json(request: ParsedRequest, prompt_logprobs, token_text) -> list | None:
+    """vLLM's prompt_logprobs in vllm_backend's logprobs format: None for the first prompt token, then per token
+    the token itself and the top `prompt_logprobs` ones; None in a response that does not carry them."""
+    top_n = request.sampling_params.prompt_logprobs
+    if top_n is None or prompt_logprobs is None:
+        return None
+    generated = Generated(prompt_logprobs.token_ids, prompt_logprobs.logprobs, prompt_logprobs.ranks)
+    return [None, *vllm_logprobs(generated, top_n, token_text)]
 
 
 def vllm_logprobs(generated: Generated, top_n: int, token_text) -> list[dict]:
@@ -430,5 +525,5 @@ def vllm_logprobs(generated: Generated, top_n: int, token_text) -> list[dict]:
     return per_token
 
 
-def string_array(text: str) -> np.ndarray:
-    return np.array([text.encode("utf-8")], dtype=np.object_)
+def string_array(texts: list[str]) -> np.ndarray:
+    return np.array([text.encode("utf-8") for text in texts], dtype=np.object_)

@@ -120,9 +120,9 @@ class ChatFormat(Format):
                 "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
 
     def start(self) -> list[dict]:
-        """The assistant role comes first, as OpenAI streams it."""
-        choices = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": None}]
+        """The assistant role comes first, for each choice, as OpenAI streams it."""
+        choices = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for index in range(self.request.n or 1)]
         return [self._stream_event(choices)]
 
     def delta_choice(self, delta: ChunkDelta) -> dict:
@@ -155,7 +155,8 @@ class CompletionFormat(Format):
     def start(self) -> list[dict]:
         if not self.echoed:
             return []
-        return [self._stream_event([{"index": 0, "text": self.echoed, "logprobs": None, "finish_reason": None}])]
+        return [self._stream_event([{"index": index, "text": self.echoed, "logprobs": None, "finish_reason": None}
+                                    for index in range(self.request.n or 1)])]
 
     def delta_choice(self, delta: ChunkDelta) -> dict:
         return {"index": delta.index, "text": delta.text, "logprobs": self._logprobs(delta.index, delta.logprobs),
