@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     skip_special_tokens: bool = True
     n: int = 1
+    lora_name: str | None = None  # the LoRA adapter to run with (LLMEngine.add_lora, multi_lora.json); None: the base
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -76,6 +77,8 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise ValueError(f"lora_name: expected an adapter's name (a non-empty string), got {self.lora_name!r}")
 
     def check_against_model(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
         """The ranges that depend on the model; the engine calls this when it admits the request (the prompt
