@@ -37,6 +37,7 @@ class StepInputs:
     logits_indices: np.ndarray  # [N] int64: the tokens whose hidden states are sampled, in row order
     max_query_len: int
     max_seq_len: int
+    lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
 
 
 def _features(params: SamplingParams) -> list[str]:
@@ -75,6 +76,8 @@ class InputBatch:
         self.penalties = np.zeros((max_num_seqs, 3), dtype=np.float32)  # repetition, presence, frequency
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.lora_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # the device slot of the row's LoRA adapter
+        self.num_lora_rows = 0
         self.num_rows_using = dict.fromkeys(FEATURES, 0)
         # how many rows hold each value of a column: one value for the whole batch is passed as a number
         self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
@@ -110,6 +113,8 @@ class InputBatch:
         self.penalties[slot] = (params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
         self.min_tokens[slot] = params.min_tokens
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
+        self.lora_slot[slot] = new.lora_slot
+        self.num_lora_rows += int(new.lora_slot >= 0)
         for name in _features(params):
             self.num_rows_using[name] += 1
         for name, counter in self.values.items():
@@ -138,6 +143,7 @@ class InputBatch:
                 if not counter[value]:
                     del counter[value]
             self.params[slot] = None
+            self.num_lora_rows -= int(self.lora_slot[slot] >= 0)
             self._free_slots.append(slot)
         self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
         self.slots = self.slots[keep]
@@ -172,7 +178,8 @@ class InputBatch:
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
                           seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          logits_indices, max_query_len, max_seq_len)
+                          logits_indices, max_query_len, max_seq_len,
+                          self.lora_slot.take(token_slots) if self.num_lora_rows else None)
 
     def sampling_metadata(self, device: torch.device) -> SamplingMetadata:
         """The sampling parameters of the step's sampling rows, in order."""

@@ -15,8 +15,10 @@ from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
+from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models import get_model_class, load_weights
+from nanoserve.models.lora import LoRAStore
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -60,6 +62,8 @@ class ModelRunner:
         hf = config.hf_config
         with torch.device(device), _default_dtype(self.dtype):
             self.model = get_model_class(hf)(hf, self.backend)
+            self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                          if config.enable_lora else None)
         load_weights(self.model, config.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, eos_token_ids)
@@ -154,6 +158,8 @@ class ModelRunner:
         """Apply the step's diffs and run the forward: the float32 logits [sampling rows, vocab] in row order on
         rank 0, None on the other ranks."""
         self.batch.update(out)
+        for slot, adapter in out.lora_loads:
+            self.loras.load(slot, adapter.id, adapter.path)
         inputs = self.batch.prepare(out)
         if not len(inputs.input_ids):  # a step that only preempted
             return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device)
@@ -166,11 +172,12 @@ class ModelRunner:
             inputs.seq_lens, inputs.block_tables)
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
-        if self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
-                                                           batch.is_decode_only):
-            hidden = self.graphs.run(input_ids, positions, batch)
+        lora = None if inputs.lora_slots is None else LoRABatch.of_tokens(inputs.lora_slots, self.device)
+        if lora is None and self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
+                                                                            batch.is_decode_only):
+            hidden = self.graphs.run(input_ids, positions, batch)  # the graphs are captured without adapters
         else:
-            hidden = self.model(input_ids, positions, self.backend.build(batch))
+            hidden = self.model(input_ids, positions, self.backend.build(batch), lora)
         if len(logits_indices) != len(input_ids):  # otherwise every token is sampled, in order
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)

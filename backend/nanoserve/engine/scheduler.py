@@ -8,7 +8,10 @@ back to the front of the waiting queue.
 The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
 (kept only here: a waiting sequence has none), tokens and KV slots held (the lengths of the sequence's token
 list and block table, written where those change), prompt length and length limit. A step's decisions are numpy
-over the rows; only the rows that need a new block, and admissions, cost Python."""
+over the rows; only the rows that need a new block, and admissions, cost Python.
+
+With LoRA adapters, a waiting sequence is admitted only while its adapter holds or can take one of the max_loras
+device slots (engine/lora.py); one that cannot is passed over, keeping its place, for those behind it."""
 from __future__ import annotations
 
 from collections import deque
@@ -18,6 +21,7 @@ from itertools import compress
 import numpy as np
 
 from nanoserve.engine.block_manager import BlockManager, divmod_block
+from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
@@ -34,12 +38,14 @@ class SampledSeqs:
 
 
 class Scheduler:
-    def __init__(self, config, block_manager: BlockManager):
-        # Reads only max_num_seqs, max_num_batched_tokens, max_model_len, kvcache_block_size.
+    def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None):
+        # Reads only max_num_seqs, max_num_batched_tokens, max_model_len, kvcache_block_size. lora_slots: the
+        # adapters' device slots, when the engine serves LoRA adapters.
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_manager = block_manager
+        self.lora_slots = lora_slots
         self.block_size = block_manager.block_size
         assert self.block_size == config.kvcache_block_size, "block manager and config disagree on block size"
         self.waiting: deque[Sequence] = deque()
@@ -112,6 +118,7 @@ class Scheduler:
         self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
         self.columns[:, last] = 0
         self._finished_ids.append(seq.request_id)
+        self._release_lora_slot(seq)
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: str) -> None:
@@ -170,6 +177,7 @@ class Scheduler:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
         self.running.pop()  # always the newest
         self.columns[:, len(self.running)] = 0
+        self._release_lora_slot(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
@@ -180,9 +188,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, counts: np.ndarray, num_batched: int) -> tuple[np.ndarray, int]:
         """Admit waiting sequences FIFO while the budget, max_num_seqs and the pool allow; the counts of all rows
         and their total."""
-        new_counts = []
+        new_counts, passed_over = [], []
         while self.waiting and num_batched < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and not self.lora_slots.can_acquire(seq.lora):
+                passed_over.append(self.waiting.popleft())  # every slot holds an adapter in use
+                continue
             num_cached, num_new = self._admit(seq, self.max_num_batched_tokens - num_batched)
             if num_new == 0:
                 break  # FIFO: nothing behind it jumps the queue
@@ -191,10 +202,24 @@ class Scheduler:
                                                   seq.num_prompt_tokens, seq.max_num_tokens)
             self.running.append(seq)
             out.new_seqs.append(NewSequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens,
-                                            seq.sampling_params, list(seq.block_table)))
+                                            seq.sampling_params, list(seq.block_table), self._lora_slot(seq, out)))
             new_counts.append(num_new)
             num_batched += num_new
+        self.waiting.extendleft(reversed(passed_over))
         return (np.concatenate([counts, new_counts]).astype(np.int64) if new_counts else counts), num_batched
+
+    def _lora_slot(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """The device slot of an admitted sequence's adapter (-1: none); loading it there goes with out."""
+        if seq.lora is None:
+            return -1
+        slot, load = self.lora_slots.acquire(seq.lora)
+        if load:
+            out.lora_loads.append((slot, seq.lora))
+        return slot
+
+    def _release_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora)
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """Take the cached prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
@@ -239,6 +264,8 @@ class Scheduler:
         while self.running:
             self._preempt(self.running[-1], out)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+        if self.lora_slots is not None:  # the step may have failed half-way through loading an adapter
+            self.lora_slots.forget()
 
     def waiting_ids(self) -> set[str]:
         return {seq.request_id for seq in self.waiting}
