@@ -2,8 +2,9 @@
 tensor-parallel worker receives only what changed), and the step's work as arrays over the batch's rows.
 
 The rows are the running sequences in the scheduler's order. A runner applies the diffs in this order: the
-tokens sampled in the previous step, the removals (finished and preempted ids), the LoRA adapters loaded into
-device slots, the new rows; then row i of the arrays is running sequence i."""
+tokens sampled in the previous step, the removals (finished and preempted ids), the new rows; then row i of
+the arrays is running sequence i. LoRA adapters named in lora_loads are copied into their device slots before
+the step's forward (a slot is refilled only when no row uses it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ class SchedulerOutput:
     samples: np.ndarray = _empty(bool)  # [rows]: the step reaches the row's last token, so it samples
     num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
     num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
-    # ---- applied after the removals, before the new rows ----
+    # ---- before the forward ----
     lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)  # (device slot, adapter to load there)
 
     @property
