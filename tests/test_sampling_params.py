@@ -125,6 +125,7 @@ def test_empty_json_gives_defaults():
     ({"stop_token_ids": '["a"]'}, "stop_token_ids"), ({"stop": 5}, "stop"), ({"stop": [1]}, "stop"),
     ({"min_tokens": "null"}, "min_tokens"), ({"temperature": None}, "temperature"), ({"n": "3"}, "n"),
     ({"bogus": 1}, "bogus"), ({"max_tokens": 8, "zzz": 1, "aaa": 2}, "aaa"),
+    ({"": 1}, "sampling_parameters"), ({" ": 1}, "sampling_parameters"),  # a blank name is quoted
 ])
 def test_from_dict_errors_name_the_field(params, field):
     with pytest.raises(ValueError) as error:

@@ -100,7 +100,8 @@ class SamplingParams:
         kinds = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(params) - set(kinds))
         if unknown:
-            raise ValueError(f"{unknown[0]}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
+            name = unknown[0] if unknown[0].strip() else f"sampling_parameters: {unknown[0]!r}"  # a blank key
+            raise ValueError(f"{name}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
         return cls(**{name: _parse(name, kinds[name], value) for name, value in params.items()})
 
 

@@ -21,12 +21,12 @@ from nanoserve.engine.sequence import Sequence
 NO_HASH = -1
 
 
-def divmod_block(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(positions // block_size, positions % block_size), by shift and mask when block_size is a power of two (the
-    usual case): numpy's integer division is several times slower."""
+def block_offset(positions: np.ndarray, block_size: int) -> np.ndarray:
+    """positions % block_size, by a mask when block_size is a power of two (the usual case): numpy's integer
+    division is several times slower."""
     if block_size & (block_size - 1):
-        return np.divmod(positions, block_size)
-    return positions >> (block_size.bit_length() - 1), positions & (block_size - 1)
+        return positions % block_size
+    return positions & (block_size - 1)
 
 
 def first_prev_hash(seq: Sequence) -> int:

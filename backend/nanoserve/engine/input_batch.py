@@ -157,8 +157,8 @@ class InputBatch:
             counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
         num_rows = len(counts)
         if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
-            ends = np.arange(1, num_rows + 1)
             query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
+            logits_indices = np.arange(num_rows)  # each row's one token (int64)
             positions, token_slots, max_query_len = computed, slots, min(num_rows, 1)
         else:
             query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
@@ -166,13 +166,14 @@ class InputBatch:
             assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
             positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
             token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
+            logits_indices = ends - 1
         token_index = self._row_start[token_slots] + positions
         seq_lens = computed + counts
-        max_seq_len = int(seq_lens.max()) if num_rows else 0
-        self.sampling_slots, self.sampling_lengths, sampling_ends = slots, seq_lens, ends
+        max_seq_len = int(np.maximum.reduce(seq_lens, initial=0))
+        self.sampling_slots, self.sampling_lengths = slots, seq_lens
         if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
-            self.sampling_slots, self.sampling_lengths, sampling_ends = slots[samples], seq_lens[samples], ends[samples]
-        logits_indices = sampling_ends - 1
+            self.sampling_slots, self.sampling_lengths, logits_indices = slots[samples], seq_lens[samples], \
+                logits_indices[samples]
         self._next_token_index = token_index[logits_indices] + 1
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,

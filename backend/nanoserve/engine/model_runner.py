@@ -178,7 +178,7 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, batch)  # the graphs are captured without adapters
         else:
             hidden = self.model(input_ids, positions, self.backend.build(batch), lora)
-        if len(logits_indices) != len(input_ids):  # otherwise every token is sampled, in order
+        if len(inputs.logits_indices) != len(inputs.input_ids):  # otherwise every token is sampled, in order
             hidden = hidden[logits_indices]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else logits.float()

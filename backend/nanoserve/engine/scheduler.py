@@ -20,7 +20,7 @@ from itertools import compress
 
 import numpy as np
 
-from nanoserve.engine.block_manager import BlockManager, divmod_block
+from nanoserve.engine.block_manager import BlockManager, block_offset
 from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -133,7 +133,8 @@ class Scheduler:
         counts, num_batched = self._schedule_running(out)
         if self.waiting and not out.preempted_ids:
             counts, num_batched = self._schedule_waiting(out, counts, num_batched)
-        computed, num_tokens, _, num_prompt, _ = self.columns[:, :len(self.running)]
+        columns = self.columns[:, :len(self.running)]  # (indexing rows: unpacking the array costs more)
+        computed, num_tokens, num_prompt = columns[0], columns[1], columns[3]
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
         out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
         out.num_batched_tokens = num_batched
@@ -145,7 +146,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
         """Tokens for the running rows, oldest first within the budget (and their total); rows that need
         blocks get them, preempting the newest rows while the pool is short."""
-        computed, num_tokens, capacity = self.columns[:3, :len(self.running)]
+        columns = self.columns[:, :len(self.running)]
+        computed, num_tokens, capacity = columns[0], columns[1], columns[2]
         counts = num_tokens - computed  # what each row lacks
         num_batched = int(np.add.reduce(counts))
         if num_batched > self.max_num_batched_tokens:  # the budget runs out: the oldest rows first
@@ -241,14 +243,15 @@ class Scheduler:
         cache. Returns the sequences that got a token."""
         running, samples, counts = self.running, out.samples, out.num_scheduled_tokens
         assert len(running) == out.num_rows, "the running sequences changed between schedule() and update()"
-        computed, num_tokens, _, _, max_num_tokens = self.columns[:, :len(running)]
+        columns = self.columns[:, :len(running)]
+        computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
         num_tokens += samples
         seqs = list(compress(running, samples))
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
-            filled = divmod_block(computed, self.block_size)[1] < counts  # the rows that filled a block
+            filled = block_offset(computed, self.block_size) < counts  # the rows that filled a block
             for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
                 self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
