@@ -31,7 +31,7 @@ from nanoserve.serving import request as contract
 from nanoserve.serving.ensemble import token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, read_model_json,
+from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
                                           reports_vllm_metrics)
 from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_formatter
 from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
@@ -110,12 +110,14 @@ class TritonPythonModel:
         engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
                                       args["model_instance_device_id"])
         vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
+        adapters = lora_modules(args["model_repository"], args["model_version"])  # multi_lora.json
 
         from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
         from nanoserve.engine.llm_engine import LLMEngine
 
         config = EngineConfig.from_kwargs(**engine_args)
         self.engine = LLMEngine(config)
+        _add_loras(self.engine, adapters)
         # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
         # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
         # instead of walking them all under the GIL while the engine thread waits.
@@ -183,6 +185,16 @@ class TritonPythonModel:
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it
         self.engine.shutdown()
+
+
+def _add_loras(engine, adapters: dict[str, str]) -> None:
+    """Serve multi_lora.json's adapters; one the engine cannot run fails the model's load, naming it."""
+    try:
+        for name, path in adapters.items():
+            engine.add_lora(name, path)
+    except ValueError:
+        engine.shutdown()
+        raise
 
 
 def _as_numpy(inputs: dict, name: str):

@@ -30,6 +30,19 @@ def qwen3_dir(tiny_models):
     return tiny_models["qwen3"]
 
 
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_models, tmp_path_factory):
+    """PEFT adapters with random weights, per architecture ("qwen3", "llama"): "wide" (rank 8, every target) and
+    "narrow" (rank 4, q/v/down only, rsLoRA): {arch: {name: directory}}."""
+    from lora_adapters import make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    return {arch: {"wide": make_adapter(tiny_models[arch], str(root / arch / "wide"), rank=8, seed=1),
+                   "narrow": make_adapter(tiny_models[arch], str(root / arch / "narrow"), rank=4, seed=2, alpha=8,
+                                          targets=("q_proj", "v_proj", "down_proj"), use_rslora=True)}
+            for arch in ("qwen3", "llama")}
+
+
 @pytest.fixture
 def make_llm():
     """Builds LLMs and checks, after the test, that every KV block is free again (no leaks)."""

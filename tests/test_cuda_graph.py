@@ -13,6 +13,7 @@ from test_model_runner import Blocks, check_rows, greedy_next, make_runner, make
 from torch.overrides import TorchFunctionMode
 
 from nanoserve.engine.cuda_graph import PAD_SEQ_LEN, PAD_SLOT, CUDAGraphRunner
+from nanoserve.engine.lora import LoRAAdapter
 from nanoserve.layers.attention import AttentionBatch
 
 MAX_MODEL_LEN = 256  # make_runner's
@@ -68,10 +69,10 @@ class FakeCuda:
     def spy_forward(self, model, monkeypatch):
         forward = model.forward
 
-        def logged(input_ids, positions, meta):
+        def logged(input_ids, positions, meta, lora=None):
             self.log.append(("forward", input_ids.shape[0], self.capturing is not None,
                              torch.is_inference_mode_enabled()))
-            return forward(input_ids, positions, meta)
+            return forward(input_ids, positions, meta, lora)
         monkeypatch.setattr(model, "forward", logged)
 
 
@@ -184,6 +185,31 @@ def test_eager_fallbacks(tiny_models, monkeypatch):
     a.token_ids.append(9)
     check_rows(model_dir, run_step(runner, blocks, [(a, a.num_tokens - 1, 1), (d, 0, 6)]), [a, d])
     assert replays == [1]  # a mixed prefill + decode step
+    runner.shutdown()
+
+
+def test_steps_with_lora_rows_run_eagerly(tiny_models, lora_adapters, monkeypatch):
+    """The graphs hold no adapters: a decode step with a LoRA row runs eagerly, a base-only one replays."""
+    model_dir = tiny_models["qwen3"]
+    runner = make_runner(model_dir, max_num_seqs=4, enable_lora=True, max_lora_rank=8)
+    graphs = graph_runner(runner, max_num_seqs=2)
+    graphs.graphs = {b: FakeGraph(functools.partial(graphs._forward, b)) for b in graphs.buckets}
+    runner.graphs = graphs
+    replays = spy_replays(graphs, monkeypatch)
+    blocks = Blocks(96, 4, seed=7)
+    adapted, base = (make_seq(f"l{i}", random_ids(5, seed=70 + i)) for i in range(2))
+    out = blocks.output([(s, 0, s.num_tokens) for s in (adapted, base)])
+    out.new_seqs[0].lora_slot = 0
+    out.lora_loads = [(0, LoRAAdapter(1, "wide", lora_adapters["qwen3"]["wide"]))]
+    runner.run_model(out)
+    for seq in (adapted, base):
+        seq.token_ids.append(7)
+    logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in (adapted, base)])
+    assert replays == []
+    check_rows(model_dir, logits[1:], [base])
+    greedy_next(model_dir, base)
+    check_rows(model_dir, run_step(runner, blocks, [(base, base.num_tokens - 1, 1)]), [base])
+    assert replays == [1]
     runner.shutdown()
 
 

@@ -13,7 +13,7 @@ from nanoserve import cli
 from nanoserve.config import EngineConfig
 from nanoserve.serving import launcher, triton_log
 from nanoserve.serving.engine_flags import flag, given_engine_args
-from nanoserve.serving.model_json import tokenizer_dir
+from nanoserve.serving.model_json import lora_modules, tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,6 +93,10 @@ def edit_json(path: Path, **changes) -> None:
     (["{ckpt}", "--model-repository", "{tmp}"], "exclude each other"),
     ([], "MODEL: give a checkpoint directory"),
     (["{ckpt}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["{ckpt}", "--lora-modules", "a={tmp}"], "--lora-modules: needs --enable-lora"),
+    (["{ckpt}", "--enable-lora", "--lora-modules", "a"], "--lora-modules: expected NAME=PATH, got 'a'"),
+    (["{ckpt}", "--enable-lora", "--lora-modules", "a={tmp}/missing"],
+     "/1/multi_lora.json: a: {tmp}/missing: no adapter_config.json"),
 ])
 def test_mistakes_are_one_line_before_tritonserver_starts(capsys, no_tritonserver, qwen3_dir, tmp_path, argv,
                                                           expected):
@@ -143,6 +147,20 @@ def test_model_repository_mistakes_name_the_file(capsys, no_tritonserver, qwen3_
         one_error_line(capsys, ["--model-repository", str(repo)])
     (repo / "ensemble" / "config.pbtxt").write_text("platform: ensemble\n")  # not protobuf text: no quotes
     assert f"{repo}/ensemble/config.pbtxt:" in one_error_line(capsys, ["--model-repository", str(repo)])
+
+
+def test_multi_lora_json_mistakes_name_the_file(capsys, no_tritonserver, qwen3_dir, lora_adapters, tmp_path):
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, models=["nanoserve"], device="cpu")
+    multi_lora = repo / "nanoserve" / "1" / "multi_lora.json"
+    multi_lora.write_text("{not json")
+    assert lora_modules(str(repo / "nanoserve")) == {}  # read only with enable_lora, as vllm_backend does
+    edit_json(repo / "nanoserve" / "1" / "model.json", enable_lora=True, max_lora_rank=4)
+    assert f"multi_lora.json: invalid JSON in {multi_lora}" in one_error_line(capsys, ["--model-repository", str(repo)])
+    multi_lora.write_text(json.dumps({"wide": lora_adapters["qwen3"]["wide"]}))
+    assert f"{multi_lora}: wide: max_lora_rank: the adapter's rank r=8 exceeds max_lora_rank (4)" in \
+        one_error_line(capsys, ["--model-repository", str(repo)])
+    multi_lora.write_text(json.dumps({"wide": "../../../wide"}))  # relative to multi_lora.json's folder
+    assert lora_modules(str(repo / "nanoserve")) == {"wide": str(tmp_path / "wide")}
 
 
 def test_pre_and_postprocessing_name_model_json_when_the_checkpoint_is_missing(tmp_path):

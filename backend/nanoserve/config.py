@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
@@ -47,6 +48,11 @@ class EngineConfig:
     seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")
+    enable_lora: bool = _arg(False, "serve LoRA adapters (requests pick one with the lora_name sampling parameter)")
+    max_loras: int = _arg(1, "most LoRA adapters in one batch (adapter slots on the device), >= 1")
+    max_lora_rank: int = _arg(16, f"largest LoRA rank an adapter may have, in [1, {MAX_LORA_RANK}]")
+    max_cpu_loras: int | None = _arg(None, "LoRA adapters kept in CPU memory, least recently used evicted first, "
+                                           ">= max_loras (default: max_loras)")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -78,8 +84,20 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib: must be > 0, got {self.cpu_kvcache_space_gib}")
+        self._check_lora_args()
         self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
+
+    def _check_lora_args(self):
+        _require_positive_int("max_loras", self.max_loras)
+        _require_positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank: must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _require_positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras}")
 
     def _load_hf_config(self):
         self.hf_config = AutoConfig.from_pretrained(self.model)

@@ -1,4 +1,7 @@
-"""Offline batch generation: `LLM(model_dir, **engine_args).generate(prompts, sampling_params)`."""
+"""Offline batch generation: `LLM(model_dir, **engine_args).generate(prompts, sampling_params)`.
+
+LoRA adapters: `LLM(model_dir, enable_lora=True)`, `llm.add_lora("sql", "/adapters/sql")`, then
+`SamplingParams(lora_name="sql")` for the prompts that use it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -87,6 +90,11 @@ class LLM:
                     outputs[out.request_id].add(out, wants_logprobs[out.request_id])
                     bar.update(1 if out.finished else 0)
                 _show_throughput(bar, self.engine.last_step)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter directory path (engine argument enable_lora=True) to the prompts whose
+        SamplingParams have lora_name=name."""
+        self.engine.add_lora(name, path)
 
     def stats(self) -> dict:
         return self.engine.stats()

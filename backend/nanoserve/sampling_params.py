@@ -93,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1  # sequences sampled from the prompt; sequence i gets seed (seed + i) mod 2**64
     structured_outputs: StructuredOutputsParams | None = None  # or its JSON object / JSON text
+    lora_name: str | None = None  # the LoRA adapter to run with (LLMEngine.add_lora, multi_lora.json); None: the base
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -139,6 +140,8 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, optional=True)
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise ValueError(f"lora_name: expected an adapter's name (a non-empty string), got {self.lora_name!r}")
 
     def check_against_model(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
         """The ranges that depend on the model; the engine calls this when it admits the request (the prompt

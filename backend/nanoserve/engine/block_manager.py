@@ -1,8 +1,9 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, reference counts and a prefix cache keyed by chained hashes.
 
 A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
-hashes mean equal prefixes. Freed blocks keep their hash and stay findable until they are reused for other
-content; free blocks are reused least-recently-freed first.
+hashes mean equal prefixes. The chain of a sequence with a LoRA adapter starts from the adapter's key instead of
+nothing: the KV of different adapters (and of the base model) is never shared. Freed blocks keep their hash and
+stay findable until they are reused for other content; free blocks are reused least-recently-freed first.
 
 Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks,
 and the samples of a request with n > 1 share its prompt's blocks (`fork`).
@@ -26,6 +27,11 @@ def block_offset(positions: np.ndarray, block_size: int) -> np.ndarray:
     if block_size & (block_size - 1):
         return positions % block_size
     return positions & (block_size - 1)
+
+
+def first_prev_hash(seq: Sequence) -> int:
+    """What the hash of a sequence's first block chains from: its LoRA adapter's key, NO_HASH for the base model."""
+    return NO_HASH if seq.lora is None else seq.lora.cache_key
 
 
 def chain_hash(prev_hash: int, token_ids: list[int]) -> int:
@@ -81,7 +87,7 @@ class BlockManager:
         number of tokens hit. The block holding the last token is never taken, so at least one token is
         computed (its logits are needed to sample)."""
         assert not seq.block_table, seq
-        hit_blocks = self._find_cached_prefix(seq.token_ids) if self.enable_prefix_caching else []
+        hit_blocks = self._find_cached_prefix(seq) if self.enable_prefix_caching else []
         for block in hit_blocks:
             if block.ref_count == 0:
                 del self.free_block_ids[block.block_id]
@@ -108,10 +114,10 @@ class BlockManager:
         self.prefix_cache_hit_tokens -= hit_tokens
         self.free(seq)
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> list[Block]:
-        size = self.block_size
+    def _find_cached_prefix(self, seq: Sequence) -> list[Block]:
+        size, token_ids = self.block_size, seq.token_ids
         hits: list[Block] = []
-        prev_hash = NO_HASH
+        prev_hash = first_prev_hash(seq)
         for i in range((len(token_ids) - 1) // size):
             block_tokens = token_ids[i * size:(i + 1) * size]
             prev_hash = chain_hash(prev_hash, block_tokens)
@@ -161,7 +167,8 @@ class BlockManager:
         while first_unhashed > 0 and blocks[table[first_unhashed - 1]].hash == NO_HASH:
             first_unhashed -= 1
         for i in range(first_unhashed, num_full):
-            self._register(blocks[table[i]], blocks[table[i - 1]].hash if i else NO_HASH, seq.token_ids, i)
+            prev_hash = blocks[table[i - 1]].hash if i else first_prev_hash(seq)
+            self._register(blocks[table[i]], prev_hash, seq.token_ids, i)
 
     def _register(self, block: Block, prev_hash: int, token_ids: list[int], index: int) -> None:
         block.token_ids = token_ids[index * self.block_size:(index + 1) * self.block_size]
@@ -207,7 +214,7 @@ class BlockManager:
         num_hashed = sum(self.blocks[b].hash != NO_HASH for b in seq.block_table)
         if self.enable_prefix_caching:  # every full computed block is registered after a step
             assert num_hashed == num_computed_tokens // self.block_size, seq
-        prev_hash = NO_HASH
+        prev_hash = first_prev_hash(seq)
         for i, block_id in enumerate(seq.block_table[:num_hashed]):
             block = self.blocks[block_id]
             assert (i + 1) * self.block_size <= num_computed_tokens, (seq, block)

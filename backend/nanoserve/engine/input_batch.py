@@ -49,6 +49,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     prompt_positions: PromptPositions | None = None  # the tokens whose logits give prompt logprobs
+    lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
 
 
 def _features(params: SamplingParams) -> list[str]:
@@ -89,6 +90,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none wanted, or had already
+        self.lora_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # the device slot of the row's LoRA adapter
+        self.num_lora_rows = 0
         self.num_rows_using = dict.fromkeys(FEATURES, 0)
         # how many rows hold each value of a column: one value for the whole batch is passed as a number
         self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
@@ -126,6 +129,8 @@ class InputBatch:
         self.num_logprobs[slot] = -1 if params.logprobs is None else params.logprobs
         resumed = len(new.token_ids) > new.num_prompt_tokens  # preempted after it sampled: the prompt's were sent
         self.num_prompt_logprobs[slot] = -1 if params.prompt_logprobs is None or resumed else params.prompt_logprobs
+        self.lora_slot[slot] = new.lora_slot
+        self.num_lora_rows += int(new.lora_slot >= 0)
         for name in _features(params):
             self.num_rows_using[name] += 1
         for name, counter in self.values.items():
@@ -154,6 +159,7 @@ class InputBatch:
                 if not counter[value]:
                     del counter[value]
             self.params[slot] = None
+            self.num_lora_rows -= int(self.lora_slot[slot] >= 0)
             self._free_slots.append(slot)
         self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
         self.slots = self.slots[keep]
@@ -190,7 +196,8 @@ class InputBatch:
                           seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
                           logits_indices, max_query_len, max_seq_len,
-                          self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None)
+                          self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None,
+                          self.lora_slot.take(token_slots) if self.num_lora_rows else None)
 
     def _prompt_positions(self, out: SchedulerOutput) -> PromptPositions | None:
         """The step's prompt positions whose logits the rows wanting prompt logprobs need; None if there are none."""

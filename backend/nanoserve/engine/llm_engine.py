@@ -5,6 +5,7 @@ and calls add_request / abort_request between steps.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from itertools import compress
@@ -15,12 +16,14 @@ from xgrammar import CompiledGrammar
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
+from nanoserve.engine.lora import LoRAAdapter, LoRASlots
 from nanoserve.engine.output_processor import OutputProcessor, RequestOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.structured_output import Grammar, StructuredOutputManager, TokenBitmask
 from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
+from nanoserve.models.lora import check_peft_adapter
 from nanoserve.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestOutput", "StepStats"]
@@ -43,7 +46,9 @@ class LLMEngine:
         self.executor = Executor(config, eos)
         self.block_manager = BlockManager(self.executor.num_kv_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.loras: dict[str, LoRAAdapter] = {}  # by name (add_lora)
+        lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
+        self.scheduler = Scheduler(config, self.block_manager, lora_slots)
         self.output_processor = OutputProcessor(self.tokenizer, eos, config.hf_config.vocab_size)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
@@ -69,6 +74,7 @@ class LLMEngine:
         if request_id in in_use.samples or not in_use.requests.keys().isdisjoint(sequence_ids):
             raise ValueError(f"request_id: {request_id!r} is already running")
         sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
+        lora = self._lora(sampling_params.lora_name)
         prompt_ids = self.tokenize(prompt)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
@@ -77,7 +83,7 @@ class LLMEngine:
         if grammar is None:
             grammar = self.compile_grammar(sampling_params)
         seqs = [Sequence(sequence_id, prompt_ids, sampling_params.for_sample(index), max_tokens,
-                         None if grammar is None else Grammar(grammar))
+                         None if grammar is None else Grammar(grammar), lora)
                 for index, sequence_id in enumerate(sequence_ids)]
         self.output_processor.add(request_id, seqs, stream)
         for seq in seqs:
@@ -88,6 +94,30 @@ class LLMEngine:
         does not compile. Thread-safe: the serving path calls it on the request's thread."""
         spec = sampling_params.structured_outputs
         return None if spec is None else self.structured_outputs.compile(spec)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter in directory path to requests whose lora_name is name. Raises ValueError (an
+        adapter this engine cannot run, a name already taken, enable_lora off)."""
+        if not self.config.enable_lora:
+            raise ValueError("enable_lora: LoRA adapters need the engine argument enable_lora=True")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"lora_name: expected a non-empty string, got {name!r}")
+        if name in self.loras:
+            raise ValueError(f"lora_name: an adapter named {name!r} is already being served")
+        try:
+            check_peft_adapter(path, self.config.model, self.config.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"LoRA adapter {name!r}: {e}") from None
+        self.loras[name] = LoRAAdapter(len(self.loras) + 1, name, os.path.abspath(path))
+
+    def _lora(self, name: str | None) -> LoRAAdapter | None:
+        if name is None:
+            return None
+        if name not in self.loras:
+            known = ", ".join(sorted(self.loras)) or "none"
+            enabled = "" if self.config.enable_lora else "; the engine runs without enable_lora"
+            raise ValueError(f"lora_name: unknown LoRA adapter {name!r} (known: {known}{enabled})")
+        return self.loras[name]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

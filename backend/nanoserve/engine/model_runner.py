@@ -16,8 +16,10 @@ from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
+from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
+from nanoserve.models.lora import LoRAStore
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -76,6 +78,8 @@ class ModelRunner:
         hf = config.hf_config
         with torch.device(device), _default_dtype(self.dtype):
             self.model = get_model_class(hf)(hf, self.backend)
+            self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                          if config.enable_lora else None)
         load_weights(self.model, config.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, eos_token_ids)
@@ -175,6 +179,8 @@ class ModelRunner:
     def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, dict[str, tuple[int, PromptLogprobs]]]:
         """run_model, and the prompt logprobs the step computes."""
         self.batch.update(out)
+        for slot, adapter in out.lora_loads:
+            self.loras.load(slot, adapter.id, adapter.path)
         inputs = self.batch.prepare(out)
         if not len(inputs.input_ids):  # a step that only preempted
             return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device), {}
@@ -196,11 +202,12 @@ class ModelRunner:
             inputs.seq_lens, inputs.block_tables)
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
-        if self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
-                                                           batch.is_decode_only):
-            hidden = self.graphs.run(input_ids, positions, batch)
+        lora = None if inputs.lora_slots is None else LoRABatch.of_tokens(inputs.lora_slots, self.device)
+        if lora is None and self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
+                                                                            batch.is_decode_only):
+            hidden = self.graphs.run(input_ids, positions, batch)  # the graphs are captured without adapters
         else:
-            hidden = self.model(input_ids, positions, self.backend.build(batch))
+            hidden = self.model(input_ids, positions, self.backend.build(batch), lora)
         every_token = len(inputs.logits_indices) == len(inputs.input_ids)  # every token is sampled, in order
         return hidden, None if every_token else logits_indices
 

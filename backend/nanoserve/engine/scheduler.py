@@ -12,7 +12,10 @@ over the rows; only the rows that need a new block, and admissions, cost Python.
 
 The n samples of a request are n sequences. The first computes the prompt; the others wait in the queue behind it
 until it has, then start from its full prompt blocks (shared by reference count) and compute only the rest of the
-prompt, as vLLM v1's samples start from the prefix cache."""
+prompt, as vLLM v1's samples start from the prefix cache.
+
+With LoRA adapters, a waiting sequence is admitted only while its adapter holds or can take one of the max_loras
+device slots (engine/lora.py); one that cannot is passed over, keeping its place, for those behind it."""
 from __future__ import annotations
 
 from collections import deque
@@ -22,6 +25,7 @@ from itertools import compress
 import numpy as np
 
 from nanoserve.engine.block_manager import BlockManager, block_offset
+from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
@@ -38,12 +42,14 @@ class SampledSeqs:
 
 
 class Scheduler:
-    def __init__(self, config, block_manager: BlockManager):
-        # Reads only max_num_seqs, max_num_batched_tokens, max_model_len, kvcache_block_size.
+    def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None):
+        # Reads only max_num_seqs, max_num_batched_tokens, max_model_len, kvcache_block_size. lora_slots: the
+        # adapters' device slots, when the engine serves LoRA adapters.
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.block_manager = block_manager
+        self.lora_slots = lora_slots
         self.block_size = block_manager.block_size
         assert self.block_size == config.kvcache_block_size, "block manager and config disagree on block size"
         self.waiting: deque[Sequence] = deque()
@@ -122,6 +128,7 @@ class Scheduler:
         self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
         self.columns[:, last] = 0
         self._finished_ids.append(seq.request_id)
+        self._release_lora_slot(seq)
         self._release(seq, reason)
 
     def _release(self, seq: Sequence, reason: str) -> None:
@@ -182,6 +189,7 @@ class Scheduler:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
         self.running.pop()  # always the newest
         self.columns[:, len(self.running)] = 0
+        self._release_lora_slot(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
@@ -192,9 +200,12 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, counts: np.ndarray, num_batched: int) -> tuple[np.ndarray, int]:
         """Admit waiting sequences FIFO while the budget, max_num_seqs and the pool allow; the counts of all rows
         and their total."""
-        new_counts = []
+        new_counts, passed_over = [], []
         while self.waiting and num_batched < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.lora is not None and not self.lora_slots.can_acquire(seq.lora):
+                passed_over.append(self.waiting.popleft())  # every slot holds an adapter in use
+                continue
             num_cached, num_new = self._admit(seq, self.max_num_batched_tokens - num_batched)
             if num_new == 0:
                 break  # FIFO: nothing behind it jumps the queue
@@ -203,10 +214,24 @@ class Scheduler:
                                                   seq.num_prompt_tokens, seq.max_num_tokens)
             self.running.append(seq)
             out.new_seqs.append(NewSequence(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens,
-                                            seq.sampling_params, list(seq.block_table)))
+                                            seq.sampling_params, list(seq.block_table), self._lora_slot(seq, out)))
             new_counts.append(num_new)
             num_batched += num_new
+        self.waiting.extendleft(reversed(passed_over))
         return (np.concatenate([counts, new_counts]).astype(np.int64) if new_counts else counts), num_batched
+
+    def _lora_slot(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """The device slot of an admitted sequence's adapter (-1: none); loading it there goes with out."""
+        if seq.lora is None:
+            return -1
+        slot, load = self.lora_slots.acquire(seq.lora)
+        if load:
+            out.lora_loads.append((slot, seq.lora))
+        return slot
+
+    def _release_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora)
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """Take the computed prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
@@ -267,6 +292,8 @@ class Scheduler:
         while self.running:
             self._preempt(self.running[-1], out)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+        if self.lora_slots is not None:  # the step may have failed half-way through loading an adapter
+            self.lora_slots.forget()
 
     def waiting_ids(self) -> set[str]:
         return {seq.request_id for seq in self.waiting}

@@ -3,13 +3,15 @@ tensor-parallel worker receives only what changed), and the step's work as array
 
 The rows are the running sequences in the scheduler's order. A runner applies the diffs in this order: the
 tokens sampled in the previous step, the removals (finished and preempted ids), the new rows; then row i of
-the arrays is running sequence i."""
+the arrays is running sequence i. LoRA adapters named in lora_loads are copied into their device slots before
+the step's forward (a slot is refilled only when no row uses it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanoserve.engine.lora import LoRAAdapter
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -25,6 +27,7 @@ class NewSequence:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     block_ids: list[int]
+    lora_slot: int = -1  # the device slot holding its LoRA adapter (-1: the base model)
 
 
 @dataclass
@@ -41,6 +44,8 @@ class SchedulerOutput:
     samples: np.ndarray = _empty(bool)  # [rows]: the step reaches the row's last token, so it samples
     num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
     num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
+    # ---- before the forward ----
+    lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)  # (device slot, adapter to load there)
 
     @property
     def num_rows(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from nanoserve.engine.lora import LoRAAdapter
 from nanoserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -18,10 +19,10 @@ class SequenceStatus(Enum):
 
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
-                 "block_table", "num_cached_tokens", "finish_reason", "grammar")
+                 "block_table", "num_cached_tokens", "finish_reason", "grammar", "lora")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 max_tokens: int, grammar: Grammar | None = None):
+                 max_tokens: int, grammar: Grammar | None = None, lora: LoRAAdapter | None = None):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + generated
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -32,6 +33,7 @@ class Sequence:
         self.num_cached_tokens = 0  # tokens taken from the prefix cache at the last admission
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.grammar = grammar  # structured outputs: the matcher of the request's grammar
+        self.lora = lora  # the adapter sampling_params.lora_name names (None: the base model)
 
     @property
     def num_tokens(self) -> int:

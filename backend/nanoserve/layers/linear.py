@@ -3,6 +3,7 @@
 Column-parallel layers split the output dim across ranks and need no communication; row-parallel layers
 split the input dim and all-reduce their partial sums. Every parameter carries a
 `weight_loader(param, loaded, shard_id=None)` that copies this rank's part of a full checkpoint tensor.
+A layer given LoRA weights (`lora`, layers/lora.py) adds the adapters' deltas of a step's LoRABatch.
 """
 from __future__ import annotations
 
@@ -49,12 +50,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.lora: nn.Module | None = None  # StackedLoRA (layers/lora.py), when the engine serves LoRA adapters
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """lora: the step's LoRABatch (layers/lora.py), None when no token has an adapter."""
+        y = F.linear(x, self.weight, self.bias)
+        if lora is not None:
+            self.lora.add_to(y, x, lora)
+        return y
 
 
 class ColumnParallelLinear(LinearBase):
@@ -135,6 +141,8 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         copy_checked(param.data, take_shard(loaded, 1, size * self.tp_size, self.tp_rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if lora is not None:
+            self.lora.add_to(y, x, lora)  # this rank's partial delta: the all-reduce sums them
         return all_reduce(y)

@@ -39,14 +39,14 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata, lora=None) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x, lora).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         tokens = x.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, attn_metadata), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -60,8 +60,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,14 +73,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, attn_metadata):
+    def forward(self, positions, x, residual, attn_metadata, lora=None):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata)
+        x = self.self_attn(positions, x, attn_metadata, lora)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,10 +92,10 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, attn_metadata):
+    def forward(self, input_ids, positions, attn_metadata, lora=None):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata)
+            x, residual = layer(positions, x, residual, attn_metadata, lora)
         return self.norm(x, residual)[0]
 
 
@@ -113,10 +113,10 @@ class LlamaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, lora=None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]; attn_metadata is what the attention
-        backend built for the step (`backend.build(batch)`)."""
-        return self.model(input_ids, positions, attn_metadata)
+        backend built for the step (`backend.build(batch)`), lora the step's LoRABatch (layers/lora.py) or None."""
+        return self.model(input_ids, positions, attn_metadata, lora)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0 (None on other tensor-parallel ranks)."""

@@ -28,7 +28,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             for key in f.keys():
                 if key.endswith(IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
-                name, shard = _map_name(key, packed)
+                name, shard = map_name(key, packed)
                 if name not in params:
                     unexpected.append(key)
                     continue
@@ -49,7 +49,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(parts))
 
 
-def _map_name(key: str, packed: dict) -> tuple[str, object]:
+def map_name(key: str, packed: dict) -> tuple[str, object]:
     """'...self_attn.k_proj.weight' -> ('...self_attn.qkv_proj.weight', 'k')."""
     for source, (target, shard) in packed.items():
         part = f".{source}."

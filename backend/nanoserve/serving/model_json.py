@@ -3,6 +3,8 @@
     {"model": "../../tiny-qwen3", "max_model_len": 2048}
 
 Relative "model" and "tokenizer" paths resolve against the model directory (the folder holding config.pbtxt).
+With "enable_lora": true, `<model_dir>/<version>/multi_lora.json` names the LoRA adapters a request may pick
+(`{"sql": "/adapters/sql"}`, vllm_backend's file; `lora_modules`).
 
 A vllm_backend model.json loads too: vLLM's names for nanoserve's engine arguments are renamed (`block_size` ->
 `kvcache_block_size`), vLLM's other engine arguments are ignored with one warning naming them, and a name that
@@ -20,6 +22,7 @@ from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGI
 
 logger = logging.getLogger(__name__)
 PATH_ARGS = ("model", "tokenizer")
+MULTI_LORA_JSON = "multi_lora.json"
 RENAMED_VLLM_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # Read by the backend, not the engine: true switches the vllm:* metrics off, as in vllm_backend.
 SERVING_ARGS = ("disable_log_stats",)
@@ -81,6 +84,27 @@ def read_model_json(model_dir: str, version: str = "1") -> dict:
         if isinstance(args.get(name), str):
             args[name] = os.path.normpath(os.path.join(model_dir, os.path.expanduser(args[name])))
     return args
+
+
+def lora_modules(model_dir: str, version: str = "1") -> dict[str, str]:
+    """The LoRA adapters a model serves, {name: adapter directory}: `<model_dir>/<version>/multi_lora.json`
+    (vllm_backend's convention; relative paths resolve against its folder) when model.json's enable_lora is true,
+    else none."""
+    if not is_true(read_model_json(model_dir, version).get("enable_lora", False)):
+        return {}
+    path = os.path.join(model_dir, str(version), MULTI_LORA_JSON)
+    try:
+        with open(path) as f:
+            adapters = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{MULTI_LORA_JSON}: invalid JSON in {path} ({e})") from None
+    if not isinstance(adapters, dict) or not all(isinstance(v, str) and k for k, v in adapters.items()):
+        raise ValueError(f"{MULTI_LORA_JSON}: {path} must be a JSON object of adapter name -> adapter directory")
+    folder = os.path.dirname(path)
+    return {name: os.path.normpath(os.path.join(folder, os.path.expanduser(adapter_dir)))
+            for name, adapter_dir in adapters.items()}
 
 
 def tokenizer_dir(model_dir: str, version: str = "1") -> str:

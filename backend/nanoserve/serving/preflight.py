@@ -16,7 +16,8 @@ from tritonclient.grpc import model_config_pb2
 from nanoserve.config import EngineConfig
 from nanoserve.models.registry import MODELS
 from nanoserve.models.gguf import as_checkpoint_dir
-from nanoserve.serving.model_json import load_engine_args
+from nanoserve.models.lora import check_peft_adapter
+from nanoserve.serving.model_json import MULTI_LORA_JSON, load_engine_args, lora_modules
 
 EXPECTED_MODEL = "expected a Hugging Face checkpoint directory or a .gguf file"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -140,6 +141,21 @@ def check_model_json(model_dir: Path, version: str = "1") -> EngineConfig:
     except ValueError as e:
         raise ConfigError(one_line(e)) from None
     try:
-        return check_engine_args(resolve_checkpoint(args.pop("model")), args)
+        config = check_engine_args(resolve_checkpoint(args.pop("model")), args)
     except ConfigError as e:
         raise ConfigError(f"{model_json}: {e}") from None
+    check_lora_modules(model_dir, version, config)
+    return config
+
+
+def check_lora_modules(model_dir: Path, version: str, config: EngineConfig) -> None:
+    """Every adapter multi_lora.json names is a PEFT LoRA adapter the engine can run on its checkpoint."""
+    try:
+        adapters = lora_modules(str(model_dir), version)
+    except ValueError as e:
+        raise ConfigError(one_line(e)) from None
+    for name, path in adapters.items():
+        try:
+            check_peft_adapter(path, config.model, config.max_lora_rank)
+        except ValueError as e:
+            raise ConfigError(f"{model_dir / version / MULTI_LORA_JSON}: {name}: {one_line(e)}") from None

@@ -10,6 +10,7 @@ to load is one line (its error, from tritonserver's log) and exit code 1.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 from nanoserve.config import EngineConfig
 from nanoserve.serving import launcher, preflight, triton_log
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
+from nanoserve.serving.model_json import MULTI_LORA_JSON
 from nanoserve.serving.preflight import ConfigError
 
 ENSEMBLE_MODELS = ["nanoserve_tokens", "preprocessing", "postprocessing", "ensemble"]
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-custom-metrics", action="store_true",
                         help="also publish the metrics under vLLM's names (vllm:*), as vllm_backend's "
                              "REPORT_CUSTOM_METRICS parameter does")
+    parser.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) requests may pick by name (lora_name; the OpenAI "
+                             "API's model); needs --enable-lora")
     parser.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address every port binds")
     parser.add_argument("--http-port", type=int, default=8000, metavar="PORT", help="Triton's HTTP/REST port")
     parser.add_argument("--grpc-port", type=int, default=8001, metavar="PORT", help="Triton's gRPC port")
@@ -92,13 +97,29 @@ def _existing_repository(args: argparse.Namespace) -> Plan:
     if args.model:
         raise ConfigError(f"MODEL: {args.model} and --model-repository exclude each other")
     given = [name for name, value in vars(args).items() if name in _engine_dests() and value is not None]
-    if given or args.ensemble or args.report_custom_metrics or args.served_model_name != "nanoserve":
-        raise ConfigError("--model-repository: engine arguments, --served-model-name, --ensemble and "
-                          "--report-custom-metrics are for MODEL; a repository sets them in its model.json, "
-                          "config.pbtxt and folders")
+    if (given or args.ensemble or args.report_custom_metrics or args.lora_modules
+            or args.served_model_name != "nanoserve"):
+        raise ConfigError("--model-repository: engine arguments, --served-model-name, --ensemble, "
+                          "--report-custom-metrics and --lora-modules are for MODEL; a repository sets them in its "
+                          "model.json, multi_lora.json, config.pbtxt and folders")
     repository = Path(args.model_repository).resolve()
     preflight.check_repository(repository)
     return Plan(repository, [], f"model repository {repository}")
+
+
+def _lora_modules(given: list[str] | None, config: EngineConfig) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as multi_lora.json's object (absolute paths)."""
+    if not given:
+        return {}
+    if not config.enable_lora:
+        raise ConfigError("--lora-modules: needs --enable-lora")
+    adapters = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"--lora-modules: expected NAME=PATH, got {item!r}")
+        adapters[name] = str(Path(path).expanduser().resolve())
+    return adapters
 
 
 def _engine_dests() -> set[str]:
@@ -115,17 +136,23 @@ def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
         engine_args = given_engine_args(args)
     except ValueError as e:
         raise ConfigError(preflight.one_line(e)) from None
-    preflight.check_engine_args(checkpoint, engine_args)
+    config = preflight.check_engine_args(checkpoint, engine_args)
+    adapters = _lora_modules(args.lora_modules, config)
     extra_models = ENSEMBLE_MODELS if args.ensemble else []
     try:
         launcher.make_model_repository(dest, checkpoint, models=["nanoserve", *extra_models],
                                        rename={"nanoserve": name}, **engine_args)
     except FileNotFoundError as e:  # no model_repository/ template: not a source checkout
         raise ConfigError(preflight.one_line(e)) from None
+    engine_models = [name, *(["nanoserve_tokens"] if args.ensemble else [])]
     if args.report_custom_metrics:
-        for model in [name, *(["nanoserve_tokens"] if args.ensemble else [])]:
-            with open(dest / model / "config.pbtxt", "a") as config:
-                config.write('parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
+        for model in engine_models:
+            with open(dest / model / "config.pbtxt", "a") as config_pbtxt:
+                config_pbtxt.write('parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
+    if adapters:
+        for model in engine_models:
+            (dest / model / "1" / MULTI_LORA_JSON).write_text(json.dumps(adapters, indent=2) + "\n")
+        preflight.check_lora_modules(dest / name, "1", config)
     return Plan(dest, [name, *(["ensemble"] if args.ensemble else [])], f"{args.model}")
 
 

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from nanoserve.serving.openai_api.chat import render_chat
 from nanoserve.serving.openai_api.errors import APIError, bad_request, from_field_error
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
-from nanoserve.serving.openai_api.models import ModelRegistry
+from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
 
@@ -48,10 +48,13 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) 
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
-        names = await request.app.state.models.refresh()
+        models = request.app.state.models
+        names = await models.refresh()
         created = int(request.app.state.started)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "nanoserve"}
-                                           for name in names]}
+        entries = [{"id": name, "object": "model", "created": created, "owned_by": "nanoserve"} for name in names]
+        entries += [{"id": adapter, "object": "model", "created": created, "owned_by": "nanoserve", "parent": model}
+                    for adapter, model in models.adapters.items()]  # LoRA adapters, as vLLM lists them
+        return {"object": "list", "data": entries}
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -70,17 +73,17 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        await request.app.state.models.require(body.model)
+        target = await request.app.state.models.require(body.model)
         prompt = body.prompt_text()
-        return await respond(request, CompletionFormat(body, prompt))
+        return await respond(request, CompletionFormat(body, prompt), target)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         models = request.app.state.models
-        await models.require(body.model)
+        target = await models.require(body.model)
         messages = [message.template_dict() for message in body.messages]
-        prompt = render_chat(await models.tokenizer(body.model), messages, body.chat_template_kwargs)
-        return await respond(request, ChatFormat(body, prompt))
+        prompt = render_chat(await models.tokenizer(target.model), messages, body.chat_template_kwargs)
+        return await respond(request, ChatFormat(body, prompt), target)
 
     return app
 
@@ -102,10 +105,13 @@ def validation_error(error: RequestValidationError) -> APIError:
     return bad_request(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
 
 
-async def respond(request: Request, fmt: Format):
+async def respond(request: Request, fmt: Format, target: Target):
     body = fmt.request
-    inputs = request_inputs(fmt.prompt, body.sampling_parameters(), body.stream, body.top_logprobs_count is not None)
-    chunks = generate(request.app.state.client, body.model, inputs, request_id=uuid.uuid4().hex)
+    parameters = body.sampling_parameters()
+    if target.lora_name is not None:
+        parameters["lora_name"] = target.lora_name
+    inputs = request_inputs(fmt.prompt, parameters, body.stream, body.top_logprobs_count is not None)
+    chunks = generate(request.app.state.client, target.model, inputs, request_id=uuid.uuid4().hex)
     try:
         if not body.stream:
             return JSONResponse(fmt.full(await unless_disconnected(request, collect(chunks))))
