@@ -26,11 +26,12 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving import request as contract
-from nanoserve.serving.ensemble import token_formatter
+from nanoserve.serving.ensemble import cancel_target, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import instance_device, load_engine_args
-from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_arrays
+from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, CancelById, Register, Reject, ResponseThread, Stream,
+                                         text_arrays)
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
@@ -112,6 +113,10 @@ class TritonPythonModel:
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
         try:
+            target = cancel_target(request.parameters())
+            if target is not None:  # a control request: cancel the requests with that id
+                self.events.put(CancelById(sender, target))
+                return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                             tokens=self.mode == "tokens")

@@ -7,6 +7,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+
+from client.stream import first_sse_event
 
 from triton_server import assert_nothing_left, running_server, tiny_repository
 
@@ -94,12 +97,13 @@ def stream(server, model: str, parameters: dict | None = None, first_response: t
         client.close()
 
 
-def open_stream(server, model: str, parameters: dict | None = None, **inputs):
+def open_stream(server, model: str, parameters: dict | None = None, request_id: str = "", **inputs):
     """Send one request on a new gRPC stream: (client, queue of (result, error)). Close the client after."""
     client = grpcclient.InferenceServerClient(server.url_grpc)
     events: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: events.put((result, error)))
-    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, enable_empty_final_response=True)
+    client.async_stream_infer(model, tensors(**inputs), parameters=parameters, request_id=request_id,
+                              enable_empty_final_response=True)
     return client, events
 
 
@@ -130,6 +134,18 @@ def http_post(server, path: str, body: dict) -> tuple[int, bytes]:
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def open_sse(server, model: str, body: dict):
+    """A /generate_stream request on a raw connection, once its first event came: returns the function that
+    closes the connection (a client going away mid-stream)."""
+    host, port = server.url_http.split(":")
+    connection = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    data = json.dumps(body).encode()
+    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                       b"\r\nContent-Length: %d\r\n\r\n%s" % (model.encode(), host.encode(), len(data), data))
+    assert b"data:" in first_sse_event(connection)
+    return connection.close
 
 
 def sse_events(body: bytes) -> list[dict]:

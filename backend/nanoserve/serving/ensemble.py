@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,8 @@ from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.serving.responses import Stream, optional_arrays, string_array
 
 CONTEXT_IDS = 16
+CANCEL_PARAMETER = "cancel_request_id"  # a control request's parameter: the request_id output of the one to cancel
+CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
@@ -103,7 +106,8 @@ def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -
             "output_ids": np.array(new_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),
             "finish_reason": string_array(output.finish_reason or ""),
-            "detokenize_params": context.params}
+            "detokenize_params": context.params,
+            "request_id": string_array(output.request_id)}
 
 
 def context_size(params) -> int:
@@ -116,20 +120,62 @@ def detokenize_params(params) -> str:
                        "include_stop_str_in_output": params.include_stop_str_in_output})
 
 
+def engine_model(args: dict) -> str:
+    """The engine model a Python model of the ensemble works with: its config parameter "engine_model"."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    return parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
+
+
 def engine_tokenizer(args: dict):
-    """Pre/postprocessing: the tokenizer of the engine model named by the config parameter "engine_model" (a
-    model in the same repository), so the checkpoint is configured in one model.json."""
+    """The tokenizer of the engine model (a model in the same repository), so the checkpoint is configured in one
+    model.json."""
     from transformers import AutoTokenizer
 
     from nanoserve.serving.model_json import tokenizer_dir
 
-    parameters = json.loads(args["model_config"]).get("parameters", {})
-    engine_model = parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
-    engine_dir = os.path.join(os.path.dirname(args["model_repository"]), engine_model)
+    engine_dir = os.path.join(os.path.dirname(args["model_repository"]), engine_model(args))
     return AutoTokenizer.from_pretrained(tokenizer_dir(engine_dir))
 
 
+def cancel_target(parameters: str) -> str | None:
+    """The request id a control request cancels (parameter CANCEL_PARAMETER); None for every other request (whose
+    parameters, even invalid JSON, are the request parser's to judge)."""
+    try:
+        values = json.loads(parameters) if parameters else {}
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(values, dict) or CANCEL_PARAMETER not in values:
+        return None
+    target = values[CANCEL_PARAMETER]
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"{CANCEL_PARAMETER}: expected a non-empty request id, got {target!r}")
+    return target
+
+
 # ---- postprocessing side --------------------------------------------------------------------------------
+class CancelChecks:
+    """Which of the ensemble's streams the postprocessing asks now whether their client cancelled: each ask is an
+    IPC round trip to tritonserver, so one per stream every CANCEL_CHECK_INTERVAL, none once it was cancelled, and
+    a stream is forgotten at its last response."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.next_check: dict[str, float] = {}  # request_id -> when its next ask is due (inf: cancelled)
+
+    def due(self, request_id: str, final: bool) -> bool:
+        if final:
+            self.next_check.pop(request_id, None)
+            return False
+        now = self.clock()
+        if now < self.next_check.get(request_id, now):
+            return False
+        self.next_check[request_id] = now + CANCEL_CHECK_INTERVAL
+        return True
+
+    def cancelled(self, request_id: str) -> None:
+        self.next_check[request_id] = float("inf")
+
+
 def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool, skip_special_tokens=True,
                  stop=(), include_stop_str_in_output=False) -> str:
     ids = list(context_ids) + list(new_ids)

@@ -37,6 +37,10 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
+    # Cancelled by a CancelById: end with a final response (finish_reason "abort") instead of a CANCELLED error, so
+    # that the ensemble ends as usual (an error from a step that is still streaming would keep Triton 2.51's
+    # ensemble from ever releasing the request).
+    abort_with_final: bool = False
 
 
 @dataclass
@@ -50,6 +54,16 @@ class Reject:
     sender: object
     message: str
     code: str = "INVALID_ARG"  # the TritonError code's name
+
+
+@dataclass
+class CancelById:
+    """A control request (parameter CANCEL_PARAMETER of serving/ensemble.py): cancel this model's request request_id
+    (the request_id output of its responses; it ends with finish_reason "abort"), then answer with an empty FINAL
+    response. The ensemble's postprocessing sends it for a client that cancelled: Triton's ensemble scheduler does not
+    pass a cancel on to a decoupled step that is already running."""
+    sender: object
+    request_id: str
 
 
 STOP = object()
@@ -113,7 +127,7 @@ class ResponseThread:
         """One round of the loop (called directly by tests); True when STOP came."""
         stopping = any(event is STOP for event in events)
         for event in events:  # requests first: the steps below may hold their first outputs
-            if isinstance(event, (Register, Reject)):
+            if isinstance(event, (Register, Reject, CancelById)):
                 self._guarded(self._handle_request_event, event)
         steps = [event for event in events if isinstance(event, StepResult)]
         if steps:
@@ -134,6 +148,11 @@ class ResponseThread:
     def _handle_request_event(self, event) -> None:
         if isinstance(event, Register):
             self.streams[event.request_id] = event.stream
+        elif isinstance(event, CancelById):
+            if event.request_id in self.streams:
+                self.streams[event.request_id].abort_with_final = True
+                self._cancel(event.request_id)
+            event.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
@@ -207,22 +226,24 @@ class ResponseThread:
         if now < self._next_check or not self.streams:
             return
         self._next_check = now + self.cancel_check_interval
-        request_ids = list(self.streams)
-        start = self._cancel_cursor % len(request_ids)
-        turn = (request_ids[start:] + request_ids[:start])[:CANCEL_CHECKS_PER_ROUND]
-        self._cancel_cursor = start + len(turn)
+        turn, self._cancel_cursor = next_turn(list(self.streams), self._cancel_cursor)
         for request_id in turn:
-            stream = self.streams[request_id]
-            if not stream.cancelled and stream.sender.is_cancelled():
-                stream.cancelled = True
-                self.engine_thread.abort(request_id)
+            if not self.streams[request_id].cancelled and self.streams[request_id].sender.is_cancelled():
+                self._cancel(request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        """Abort the request in the engine (its KV blocks are freed at once); its "abort" output ends it."""
+        stream = self.streams[request_id]
+        if not stream.cancelled:
+            stream.cancelled = True
+            self.engine_thread.abort(request_id)
 
     # ---- one output ---------------------------------------------------------------------------------
     def _on_output(self, output) -> None:
         stream = self.streams.get(output.request_id)
         if stream is None:  # already ended (a failure raced with a last output)
             return
-        if stream.cancelled:
+        if stream.cancelled and not (output.finished and stream.abort_with_final):
             if output.finished:
                 self._fail(output.request_id, "request cancelled", self.pb.TritonError.CANCELLED, output)
             return
@@ -284,6 +305,15 @@ class ResponseThread:
 
     def _name_field(self, message: str) -> str:
         return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
+
+
+def next_turn(keys: list, cursor: int, count: int = CANCEL_CHECKS_PER_ROUND) -> tuple[list, int]:
+    """Round-robin: up to count keys from position cursor on (wrapping around), and the cursor after them."""
+    if not keys:
+        return [], 0
+    start = cursor % len(keys)
+    turn = (keys[start:] + keys[:start])[:count]
+    return turn, start + len(turn)
 
 
 def merge_into(pending: dict, outputs) -> None:
