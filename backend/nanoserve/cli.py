@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from nanoserve import tiny_model
-from nanoserve.serving import launcher
+from nanoserve.serving import launcher, supervisor
 
 
 def _serve(args, extra: list[str]) -> int:
@@ -21,8 +21,8 @@ def _serve(args, extra: list[str]) -> int:
         log_verbose=args.log_verbose, exit_timeout_secs=args.exit_timeout_secs,
         disable_auto_complete_config=args.disable_auto_complete_config, extra_args=extra)
     print(f"nanoserve: tritonserver on {args.host} (HTTP {args.http_port}, gRPC {args.grpc_port}, "
-          f"metrics {args.metrics_port}); Ctrl-C stops it", file=sys.stderr, flush=True)
-    return launcher.serve_until_signal(server)
+          f"metrics {args.metrics_port}); Ctrl-C stops it, a dead model stub restarts it", file=sys.stderr, flush=True)
+    return supervisor.serve_until_signal(server)
 
 
 def _stream_module():

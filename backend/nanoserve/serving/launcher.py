@@ -149,6 +149,7 @@ class TritonServer:
         self.install = install
         self.shm_prefix = f"triton_nanoserve_{os.getpid()}_{next(_counter)}_"
         self.process: subprocess.Popen | None = None
+        self.starts = 0  # how many times a tritonserver was started (restart() starts another)
         self._work_dir: Path | None = None
         self._log = None
 
@@ -194,7 +195,7 @@ class TritonServer:
             backend_dir = assemble_backend_dir(self.install, self._work_dir / "backends", self.backend_model)
             if self.log_path is not None:
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self.log_path, "wb")
+                self._log = open(self.log_path, "ab" if self.starts else "wb")  # a restart appends
             self.process = subprocess.Popen(self.command(backend_dir), env=stub_environment(self.install),
                                             stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -202,8 +203,16 @@ class TritonServer:
         except BaseException:
             self._cleanup()
             raise
+        self.starts += 1
         _live_servers.add(self)
         return self
+
+    def restart(self, grace: float) -> "TritonServer":
+        """SIGTERM, the whole process group killed after `grace` seconds, then a new tritonserver with the same
+        settings (ports, models, shared-memory prefix)."""
+        self.stop(timeout=grace)
+        self.process = None
+        return self.start()
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -303,25 +312,6 @@ def processes() -> list[tuple[int, str, int, int]]:
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes in a process group (tritonserver and its stubs share one)."""
     return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
-
-
-def serve_until_signal(server: TritonServer) -> int:
-    """Start the server and run until it exits or SIGINT/SIGTERM arrives (forwarded, then the server stopped)."""
-    received: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if server.process is None and not received:
-            server.start()
-        while server.poll() is None and not received:
-            time.sleep(0.2)
-        code = server.stop(received[0] if received else signal.SIGTERM)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    if code is None:  # the signal came before the server started
-        return 128 + received[0]
-    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 
 
 @atexit.register
