@@ -11,7 +11,9 @@ Without installing the backend, the plain Python backend works too: copy this fi
 stub's interpreter environment, e.g. through the EXECUTION_ENV_PATH parameter or PATH; see docs/serving.md).
 
 config.pbtxt parameter `mode`: "text" (default; the vllm_backend tensor contract: text_input -> text_output)
-or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode context).
+or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode context). Parameters
+`send_budget` and `send_every_step` choose how streams are sent, `REPORT_CUSTOM_METRICS` adds the vllm:* metrics
+(docs/serving.md).
 
 execute() only parses, validates and enqueues. The engine thread owns the LLMEngine and steps the continuous
 batch; the response thread sends every response, sweeps for cancelled requests and updates the metrics.
@@ -29,14 +31,16 @@ from nanoserve.serving import request as contract
 from nanoserve.serving.ensemble import cancel_target, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import instance_device, load_engine_args
+from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, read_model_json,
+                                          reports_vllm_metrics)
 from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, CancelById, Register, Reject, ResponseThread, Stream,
-                                         text_arrays)
+                                         text_formatter)
+from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", lambda tokenizer: text_arrays),
+    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_formatter),
     "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter),
 }
 
@@ -61,6 +65,21 @@ def _send_budget(model_config: dict) -> float:
     return budget
 
 
+def _parameter(model_config: dict, name: str) -> str:
+    return model_config.get("parameters", {}).get(name, {}).get("string_value", "")
+
+
+class TritonLogHandler(logging.Handler):
+    """Python log records -> tritonserver's log, in its format and levels. pb_utils.Logger only queues the message
+    for the stub's own sender thread, so any thread may log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = pb_utils.Logger
+        log = (logger.log_error if record.levelno >= logging.ERROR else logger.log_warn
+               if record.levelno >= logging.WARNING else logger.log_info)
+        log(self.format(record))
+
+
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
@@ -81,28 +100,41 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("nanoserve needs a decoupled model: model_transaction_policy "
                                                 "{ decoupled: true }")
+        logging.getLogger().addHandler(TritonLogHandler())
+        logging.getLogger("nanoserve").setLevel(logging.INFO)
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
+        every_step = is_true(_parameter(model_config, "send_every_step"))
         _, _, prompt_field, make_formatter = MODES[self.mode]
         self.name = args["model_name"]
-        engine_args = instance_device(load_engine_args(args["model_repository"], args["model_version"]),
-                                      args["model_instance_kind"], args["model_instance_device_id"])
+        model_json = read_model_json(args["model_repository"], args["model_version"])
+        engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
+                                      args["model_instance_device_id"])
+        vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
 
         from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
         from nanoserve.engine.llm_engine import LLMEngine
 
-        self.engine = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        config = EngineConfig.from_kwargs(**engine_args)
+        self.engine = LLMEngine(config)
         # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
         # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
         # instead of walking them all under the GIL while the engine thread waits.
         gc.collect()
         gc.freeze()
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
-        self.metrics = Metrics(pb_utils, self.name, args["model_version"])
+        self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
+                               max_model_len=config.max_model_len)
+        self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
+        self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
-        formatter = make_formatter(self.engine.tokenizer)
+        formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
+        server_args = ServerArgs.of_parent()
+        self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
-                                        prompt_field, send_budget=send_budget).start()
+                                        prompt_field, send_budget=send_budget, every_step=every_step,
+                                        on_engine_failure=self._unload_failed_model,
+                                        shutdown_watch=self.shutdown_watch).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):
@@ -112,6 +144,10 @@ class TritonPythonModel:
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
+        failure = self.engine_thread.failure
+        if failure is not None:
+            self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
+            return
         try:
             target = cancel_target(request.parameters())
             if target is not None:  # a control request: cancel the requests with that id
@@ -119,7 +155,8 @@ class TritonPythonModel:
                 return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
-                                            tokens=self.mode == "tokens")
+                                            tokens=self.mode == "tokens",
+                                            max_model_len=self.engine.config.max_model_len)
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
             return
@@ -129,10 +166,24 @@ class TritonPythonModel:
                                    code="INTERNAL"))
             return
         request_id = f"{self.name}-{next(self._request_ids)}"
-        self.events.put(Register(request_id, Stream(sender, parsed)))  # before the engine can answer
+        stream = Stream(sender, parsed, triton_request_id=request.request_id())
+        self.events.put(Register(request_id, stream))  # before the engine can answer
         self.engine_thread.add(request_id, parsed.prompt, parsed.sampling_params)
 
+    def _unload_failed_model(self, failure: str) -> None:
+        """The health check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK, always on): a failed engine unloads its
+        model, which Triton then reports not ready. Triton 2.51 lets a model unload itself only when it runs with
+        --model-control-mode=explicit; otherwise the model stays "ready" and every request gets UNAVAILABLE."""
+        logger.error("nanoserve: the engine of model %r has failed (%s); unloading the model", self.name, failure)
+        try:
+            pb_utils.unload_model(self.name)
+        except pb_utils.TritonModelException as e:
+            logger.error("nanoserve: model %r could not unload itself (%s); it answers every request with "
+                         "UNAVAILABLE until it is reloaded", self.name, e)
+
     def finalize(self):
+        if self.shutdown_watch is not None:
+            self.shutdown_watch.stop()
         self.engine_thread.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it

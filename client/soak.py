@@ -6,8 +6,9 @@ models, and the engines went back to idle (no KV block held, nothing running or 
     python client/soak.py --minutes 30      # starts its own tritonserver with the tiny model (scripts/soak.sh)
 
 Models: `nanoserve` (gRPC stream, HTTP SSE, HTTP /generate) and the `ensemble` (gRPC stream, HTTP SSE), both
-cancelled and abandoned too. Each engine's KV pool is small enough that requests get preempted. Cancellations come far from a request's end: a gRPC stream cancelled
-just after its final response leaves tritonserver 2.51 unable to unload the model (see docs/serving.md).
+cancelled and abandoned too. Each engine's KV pool is small enough that requests get preempted. Cancellations come
+far from a request's end: a gRPC stream cancelled just after its final response leaves tritonserver 2.51 unable to
+unload the model (see docs/serving.md).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 
+from nanoserve.help_format import ArgumentParser
+
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 FLAGS = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True,
          "return_finish_reason": True}  # each sent only to a model that declares it (the ensemble has `stream`)
@@ -153,7 +155,7 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
         conn.request("GET", f"/v2/models/{model}")
         metadata = conn.getresponse()
         if metadata.status != 200:
-            raise RuntimeError(f"{model}: HTTP {metadata.status}: {metadata.read().decode(errors='replace')}")
+            raise RuntimeError(f"{model}: HTTP {metadata.status}: {_error_message(metadata.read())}")
         flags = accepted_flags(i["name"] for i in json.loads(metadata.read()).get("inputs", []))
         body = {"text_input": prompt, "sampling_parameters": json.dumps(params), **flags}
         start = time.perf_counter()
@@ -161,7 +163,7 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
         response = conn.getresponse()
         if response.status != 200:
-            raise RuntimeError(f"{model}: HTTP {response.status}: {response.read().decode(errors='replace')}")
+            raise RuntimeError(f"{model}: HTTP {response.status}: {_error_message(response.read())}")
         for event in _sse_events(response):
             if "error" in event:
                 raise RuntimeError(f"{model}: {event['error']}")
@@ -172,8 +174,20 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
                 on_text(delta)
         result.total = time.perf_counter() - start
         return result
+    except http.client.HTTPException as e:  # e.g. a gRPC port: no HTTP response at all
+        raise RuntimeError(f"no HTTP response ({type(e).__name__}: {e}): is this Triton's HTTP port?") from None
     finally:
         conn.close()
+
+
+def _error_message(body: bytes) -> str:
+    """The message of Triton's error body ({"error": ...}, as JSON or as one SSE `data:` event), else the body."""
+    text = body.decode(errors="replace").strip()
+    payload = text[len("data:"):] if text.startswith("data:") else text
+    try:
+        return json.loads(payload)["error"]
+    except (ValueError, KeyError, TypeError):
+        return " ".join(text.split())
 
 
 def count_tokens(result: StreamResult, tokenizer_dir: str | None) -> int | None:
@@ -192,16 +206,18 @@ def format_stats(result: StreamResult, num_tokens: int | None) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__)
     parser.add_argument("text", nargs="?", help="the prompt (or --prompt)")
-    parser.add_argument("--prompt", default=None)
-    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
+    parser.add_argument("--prompt", default=None, help="the prompt (default: the positional text, else "
+                        "\"The future of AI is\")")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="gRPC streaming, or HTTP generate_stream (SSE)")
     parser.add_argument("--url", help="host:port (default 127.0.0.1:8001 for grpc, 127.0.0.1:8000 for http)")
-    parser.add_argument("--model", default="nanoserve")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float)
-    parser.add_argument("--top-p", type=float)
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--model", default="nanoserve", help="the Triton model")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate")
+    parser.add_argument("--temperature", type=float, help="0: greedy (default: the server's, 1.0)")
+    parser.add_argument("--top-p", type=float, help="nucleus sampling (default: the server's, 1.0)")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: none)")
     parser.add_argument("--stats", action="store_true", help="print time to first token, tokens/s, total time")
     parser.add_argument("--tokenizer", help="tokenizer dir, to count tokens if the server does not return counts")
     args = parser.parse_args(argv)

@@ -7,24 +7,23 @@ import torch
 
 
 @functools.lru_cache(maxsize=8)
-def hf_model(model_dir: str):
+def hf_model(model_dir: str, gguf_file: str | None = None):
+    """The checkpoint in model_dir, or the GGUF file gguf_file in it (read by transformers' own GGUF loader)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """Greedy continuation of prompt_ids, never stopping at EOS (the engine runs with ignore_eos)."""
-    model = hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
-    out = model(ids, use_cache=True)
-    generated = []
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int, gguf_file: str | None = None) -> list[int]:
+    """Greedy continuation of prompt_ids, never stopping at EOS (the engine runs with ignore_eos). Each step runs
+    the whole sequence: the sequences are short, and no KV-cache argument (whose name changes between
+    transformers versions) is passed."""
+    model = hf_model(model_dir, gguf_file)
+    ids = list(prompt_ids)
     for _ in range(max_tokens):
-        token = int(out.logits[0, -1].argmax())
-        generated.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return generated
+        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
 
 
 @torch.inference_mode()

@@ -27,11 +27,14 @@ BACKEND_MODEL = Path(__file__).resolve().parents[1] / "backend" / "model.py"
 
 
 @contextlib.contextmanager
-def triton(tmp_dir, checkpoint, models, plain_python=(), **engine_args):
+def triton(tmp_dir, checkpoint, models, plain_python=(), parameters=None, **engine_args):
     """A tritonserver serving `models` of the repo's model_repository/ template, pointed at checkpoint. On exit
     it checks that SIGTERM shut the server down cleanly (every FINAL sent, stubs gone, no shared memory left).
-    plain_python: models switched to the documented `backend: "python"` form (backend/model.py copied in)."""
+    plain_python: models switched to the documented `backend: "python"` form (backend/model.py copied in).
+    parameters: config.pbtxt parameters added to every model."""
     repo = tiny_repository(tmp_dir / "model_repository", checkpoint, models, **engine_args)
+    for name in models:
+        add_parameters(repo / name / "config.pbtxt", parameters or {})
     for name in plain_python:
         config = repo / name / "config.pbtxt"
         config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
@@ -42,6 +45,11 @@ def triton(tmp_dir, checkpoint, models, plain_python=(), **engine_args):
         code = server.process.wait(60)
         assert code == 0, f"tritonserver exited with {code}:\n{server.log_tail()}"
         assert_nothing_left(server)
+
+
+def add_parameters(config_pbtxt: Path, parameters: dict) -> None:
+    lines = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in parameters.items())
+    config_pbtxt.write_text(config_pbtxt.read_text() + lines)
 
 
 # ---- gRPC streaming ---------------------------------------------------------------------------------------
@@ -141,10 +149,16 @@ def open_sse(server, model: str, body: dict):
     closes the connection (a client going away mid-stream)."""
     host, port = server.url_http.split(":")
     connection = socket.create_connection((host, int(port)), timeout=TIMEOUT)
-    data = json.dumps(body).encode()
-    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: %d\r\n\r\n%s" % (model.encode(), host.encode(), len(data), data))
-    assert b"data:" in first_sse_event(connection)
+    try:  # closed on any failure too: a connection left open holds tritonserver's shutdown to its exit timeout
+        data = json.dumps(body).encode()
+        connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+                           b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (model.encode(), host.encode(), len(data), data))
+        received = first_sse_event(connection)
+        assert b"data:" in received, f"the server closed the stream before its first event: {received!r}"
+    except BaseException:
+        connection.close()
+        raise
     return connection.close
 
 
@@ -158,20 +172,21 @@ def is_ready(server) -> bool:
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------
-_SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+_SAMPLE = re.compile(r'^([\w:]+)(?:\{(.*)\})? (\S+)$')
 
 
-def metrics(server, model: str) -> dict:
-    """nanoserve_* samples of one model: {"name": value} or {"name{reason=x}": value} (model/version dropped)."""
+def metrics(server, model: str, prefix: str = "nanoserve_") -> dict:
+    """The samples of one model whose names start with prefix: {"name": value} or {"name{reason=x}": value}
+    (labels model, version and model_name dropped)."""
     with urllib.request.urlopen(server.url_metrics, timeout=10) as response:
         text = response.read().decode()
     samples = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
-        if not match or not match.group(1).startswith("nanoserve_"):
+        if not match or not match.group(1).startswith(prefix):
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if labels.pop("model", None) != model:
+        if labels.pop("model", None) != model or labels.pop("model_name", model) != model:
             continue
         labels.pop("version", None)
         key = match.group(1) + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")

@@ -1,6 +1,6 @@
 """The streaming client against a real tritonserver serving the tiny model: gRPC streaming and HTTP SSE give
-the same text as the offline engine (greedy), and so do the CLI, `nanoserve demo` and the serving benchmark's
-streams."""
+the same text as the offline engine (greedy), and so do the CLI, `nanoserve demo` (on SmolLM2) and the serving
+benchmark's streams."""
 import asyncio
 import os
 import subprocess
@@ -66,8 +66,17 @@ def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
 def test_cli_reports_a_server_error_in_one_line(nanoserve_server, protocol):
     url = nanoserve_server.url_grpc if protocol == "grpc" else nanoserve_server.url_http
     done = run_cli(PROMPT, protocol, url, "--max-tokens", "0")
-    assert done.returncode == 1
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "max_tokens: must be >= 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert "data:" not in done.stderr and '{"error"' not in done.stderr  # the message, not the raw SSE event
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cli_pointed_at_the_other_protocols_port_says_so_in_one_line(nanoserve_server, protocol):
+    url = nanoserve_server.url_http if protocol == "grpc" else nanoserve_server.url_grpc
+    done = run_cli(PROMPT, protocol, url, "--max-tokens", "2")
+    assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"stream.py: error: {url}:" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -188,16 +197,24 @@ def test_host_steal_is_the_steal_share_of_the_cpu_time_between_two_readings(tmp_
     assert not bench_serving.too_much_steal([run], None)
 
 
-def test_demo_streams_the_offline_completion(tmp_path, qwen3_dir):
-    """`nanoserve demo` builds the tiny model (same weights as qwen3_dir: same seed) and streams it greedily."""
-    from nanoserve import LLM, SamplingParams
+def test_demo_streams_smollm2s_chat_answer():
+    """`nanoserve demo` (scripts/demo.sh) serves SmolLM2-135M-Instruct from the cache (downloaded and converted once,
+    as tests/test_gguf.py does) and streams the offline engine's greedy chat answer below the question."""
+    from transformers import AutoTokenizer
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "demo", "--cache-dir", str(tmp_path),
-                           "--prompt", PROMPT, "--max-tokens", "12"], capture_output=True, text=True,
-                          timeout=400, env=env)
-    assert done.returncode == 0, done.stderr + (tmp_path / "demo-tritonserver.log").read_text()
-    with LLM(str(tmp_path / "tiny-qwen3"), **TEST_ENGINE_ARGS) as llm:
-        expected = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].text
-    assert done.stdout.endswith(f"{PROMPT}{expected}\n\n")
-    assert "output tokens: 12" in done.stderr
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.demo_model import smollm2_gguf
+    from nanoserve.models.gguf import checkpoint_dir
+
+    question = "What is the capital of France?"
+    done = subprocess.run([sys.executable, "-m", "nanoserve.cli", "demo", "--prompt", question, "--max-tokens", "16"],
+                          capture_output=True, text=True, timeout=500, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr
+    checkpoint = checkpoint_dir(str(smollm2_gguf()))
+    prompt = AutoTokenizer.from_pretrained(checkpoint).apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    with LLM(checkpoint, **TEST_ENGINE_ARGS) as llm:
+        expected = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0].text
+    assert "Paris" in expected
+    assert done.stdout.endswith(f"> {question}\n\n{expected}\n\n")
+    assert "finish reason: stop" in done.stderr

@@ -5,14 +5,14 @@ import random
 
 import numpy as np
 import pytest
-from serving_utils import TIMEOUT, collect, is_ready, metrics_when, open_sse, open_stream, stream, triton
+from serving_utils import TIMEOUT, collect, http_post, is_ready, metrics_when, open_sse, open_stream, stream, triton
 from test_detokenizer import SAMPLE, TOKENIZERS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, context_size, decode_delta,
-                                       special_token_ids, token_arrays)
+from nanoserve.serving.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
+                                        context_size, decode_delta, is_final, special_token_ids, token_arrays)
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
@@ -28,7 +28,7 @@ def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:
         arrays = token_arrays(stream, out, special_token_ids(tokenizer))
         stream.token_ids.append(token)
         text += decode_delta(tokenizer, arrays["context_ids"].tolist(), arrays["output_ids"].tolist(),
-                             final=bool(arrays["finish_reason"][0]),
+                             final=is_final(arrays["finish_reason"][0]),
                              **json.loads(arrays["detokenize_params"][0]))
     return text
 
@@ -129,6 +129,40 @@ def test_the_postprocessing_asks_each_stream_at_most_every_interval_and_never_af
     now[0] += 100 * CANCEL_CHECK_INTERVAL
     assert not checks.due("a", final=False) and checks.due("b", final=False)
     assert not checks.due("b", final=True) and checks.next_check == {"a": float("inf")}  # forgotten at the end
+
+
+def detokenize_inputs(**overrides):
+    inputs = {"output_ids": np.array([5, 6], np.int32), "context_ids": np.array([4], np.int32),
+              "finish_reason": np.array([b""], dtype=object),
+              "detokenize_params": np.array([b'{"stop": ["ab"], "skip_special_tokens": false}'], dtype=object)}
+    return {**inputs, **overrides}
+
+
+JUNK = [  # postprocessing inputs sent directly, and the input the error must name
+    ({"output_ids": np.array([-5, 3], np.int32)}, "output_ids"),
+    ({"context_ids": np.zeros(3000, np.int32)}, "context_ids"),
+    ({"context_ids": np.array([1.5], np.float32)}, "context_ids"),
+    ({"finish_reason": np.array([], dtype=object)}, "finish_reason"),
+    ({"finish_reason": np.array([b"done"], dtype=object)}, "finish_reason"),
+    ({"finish_reason": np.array([b"\xff"], dtype=object)}, "finish_reason"),
+    ({"detokenize_params": np.array([b"{not json"], dtype=object)}, "detokenize_params"),
+    ({"detokenize_params": np.array([b"[1]"], dtype=object)}, "detokenize_params"),
+    ({"detokenize_params": np.array([b'{"stop": 5}'], dtype=object)}, "detokenize_params"),
+    ({"detokenize_params": np.array([b'{"stop": [""]}'], dtype=object)}, "detokenize_params"),
+    ({"detokenize_params": np.array([b'{"zzz": 1}'], dtype=object)}, "detokenize_params"),
+    ({"detokenize_params": np.array([b'{"skip_special_tokens": "no"}'], dtype=object)}, "detokenize_params"),
+    ({"request_id": np.array([b"a", b"b"], dtype=object)}, "request_id"),
+]
+
+
+def test_postprocessing_inputs_are_checked():
+    parsed = DetokenizeRequest.parse(detokenize_inputs().get, max_ids=2048)
+    assert (parsed.context_ids, parsed.new_ids, parsed.finish_reason) == ([4], [5, 6], "")
+    assert parsed.params == {"stop": ["ab"], "skip_special_tokens": False}
+    for overrides, field in JUNK:
+        with pytest.raises(ValueError) as error:
+            DetokenizeRequest.parse(detokenize_inputs(**overrides).get, max_ids=2048)
+        assert str(error.value).startswith(f"{field}:"), (overrides, str(error.value))
 
 
 # ---- in tritonserver -------------------------------------------------------------------------------------
@@ -312,4 +346,21 @@ def test_ensemble_bad_input_names_the_field(server):
                           ({"text_input": "x " * 3000}, "input_ids")]:
         out = stream(server, "ensemble", **inputs)
         assert out.error is not None and field in out.error.message(), out.error
+    assert is_ready(server)
+
+
+HTTP_DATATYPES = {"O": "BYTES", "f": "FP32", "i": "INT32"}
+
+
+@pytest.mark.triton_server
+def test_postprocessing_called_with_junk_is_invalid_arg_naming_the_input(server):
+    """Over HTTP (Triton maps INVALID_ARG to 400); before, these were INTERNAL with raw Python exceptions."""
+    for overrides, field in JUNK:
+        if overrides.get("finish_reason", np.array([b""])).tolist() == [b"\xff"]:
+            continue  # JSON cannot carry invalid UTF-8
+        inputs = [{"name": name, "datatype": HTTP_DATATYPES[a.dtype.kind], "shape": list(a.shape),
+                   "data": [v.decode() if isinstance(v, bytes) else v for v in a.tolist()]}
+                  for name, a in detokenize_inputs(**overrides).items()]
+        status, body = http_post(server, "/v2/models/postprocessing/infer", {"inputs": inputs})
+        assert status == 400 and field in json.loads(body)["error"], (overrides, status, body)
     assert is_ready(server)

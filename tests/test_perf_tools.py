@@ -1,5 +1,6 @@
-"""NVIDIA's benchmark tools work against nanoserve unchanged: Perf Analyzer (gRPC streaming) and genai-perf
-(`--endpoint-type kserve --backend vllm`), short runs against a real server with the tiny model.
+"""NVIDIA's benchmark tools work against nanoserve unchanged: Perf Analyzer (gRPC streaming), genai-perf
+(`--endpoint-type kserve --backend vllm`) against Triton and genai-perf's `--endpoint-type chat` against the
+OpenAI-compatible API, short runs against a real server with the tiny model.
 
 The tools come from scripts/setup_perf_tools.sh (bin/ under $NANOSERVE_PERF_TOOLS, default .cache/perf-tools);
 the tests skip when it has not been run."""
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from triton_server import nanoserve_server  # noqa: F401 (fixture)
+from triton_server import nanoserve_serve, nanoserve_server  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
@@ -84,3 +85,24 @@ def test_genai_perf_kserve_vllm_streaming(nanoserve_server, tmp_path, qwen3_dir)
     assert metrics["request_count"]["avg"] == 8
     assert metrics["output_token_throughput"]["avg"] > 0 and metrics["request_throughput"]["avg"] > 0
     assert metrics["time_to_first_token"]["avg"] > 0
+
+
+@pytest.fixture(scope="module")
+def openai_api(qwen3_dir, tmp_path_factory):
+    with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("perf_openai")) as served:
+        yield served
+
+
+@pytest.mark.skipif(GENAI_PERF is None, reason=f"genai-perf or perf_analyzer {SETUP}")
+def test_genai_perf_openai_chat_streaming(openai_api, tmp_path, qwen3_dir):
+    run([GENAI_PERF, "profile", "-m", "nanoserve", "--endpoint-type", "chat", "--streaming",
+         "-u", f"127.0.0.1:{openai_api.openai_port}", "--tokenizer", qwen3_dir, "--num-prompts", "4",
+         "--synthetic-input-tokens-mean", "16", "--synthetic-input-tokens-stddev", "0",
+         "--output-tokens-mean", "8", "--output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true",
+         "--concurrency", "2", "--request-count", "8", "--warmup-request-count", "2", "--random-seed", "0",
+         "--artifact-dir", "artifacts"], tmp_path, retry_on=EMPTY_EXPORT)
+    exports = list((tmp_path / "artifacts").glob("*/profile_export_genai_perf.json"))
+    assert len(exports) == 1
+    metrics = json.loads(exports[0].read_text())
+    assert metrics["request_count"]["avg"] == 8
+    assert metrics["output_token_throughput"]["avg"] > 0 and metrics["time_to_first_token"]["avg"] > 0

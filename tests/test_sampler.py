@@ -205,8 +205,28 @@ def test_unseeded_rows_follow_the_sampler_seed():
 
 def test_step_seed_is_distinct():
     values = {step_seed(seed, step) for seed in range(50) for step in range(50)}
-    assert len(values) == 2500 and all(0 <= v < 2 ** 63 for v in values)
-    assert step_seed(2 ** 64 + 5, 3) < 2 ** 63  # huge user seeds still fit a generator
+    assert len(values) == 2500 and all(0 <= v < 2 ** 64 for v in values)
+    assert 0 <= step_seed(2 ** 64 - 1, 2 ** 20) < 2 ** 64  # the largest seed still fits a generator
+
+
+def test_seeds_that_differ_only_in_high_bits_give_different_streams():
+    """torch's CPU generator keeps only the low 32 bits of its seed: seeds 2**32 or 2**63 apart must not alias."""
+    logits = random_logits(1, 1000, seed=11, scale=0.1)
+
+    def stream(seed):
+        return [sample(logits, [make_seq(output=[4] * step, seed=seed)]).token_ids[0] for step in range(8)]
+
+    streams = {tuple(stream(seed)) for seed in (5, 5 + 2 ** 32, 5 + 2 ** 63, 2 ** 64 - 1)}
+    assert len(streams) == 4
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    logits = random_logits(1, 50, seed=12).repeat(2, 1)
+    seqs = [make_seq(top_k=2 ** 63 - 1, seed=3, request_id="a"), make_seq(top_k=-1, seed=3, request_id="b")]
+    meta = SamplingMetadata.from_seqs(seqs, EOS, "cpu")
+    assert meta.top_ks is None and meta.max_top_k is None
+    out = Sampler()(logits, meta)
+    assert out.token_ids[0] == out.token_ids[1]  # same seed, same logits: the huge top-k filtered nothing
 
 
 # ---- penalties, min_tokens -------------------------------------------------------------------------------
@@ -294,10 +314,11 @@ def test_logprobs_are_log_softmax_and_top_n_are_the_largest():
         token = out.token_ids[i]
         assert out.sampled_logprobs[i] == pytest.approx(reference[token], abs=1e-5)
         if n is None:
-            assert out.top_logprobs[i] is None
+            assert out.top_logprobs[i] is None and out.sampled_ranks[i] is None
             continue
         largest = sorted(range(40), key=lambda t: -reference[t])[:n]
         assert set(out.top_logprobs[i]) == set(largest) | {token}
+        assert out.sampled_ranks[i] == sum(value >= reference[token] for value in reference)  # vLLM's rank
         for t, value in out.top_logprobs[i].items():
             assert value == pytest.approx(reference[t], abs=1e-5)
 

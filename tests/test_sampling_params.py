@@ -4,26 +4,29 @@ import math
 
 import pytest
 
-from nanoserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoserve.sampling_params import (MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                       MAX_TOP_K, SamplingParams)
 
 INVALID = [  # field, value
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "32"),
     ("min_tokens", -1), ("min_tokens", None), ("min_tokens", 2.0),
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "0.5"),
-    ("temperature", None), ("temperature", True), ("temperature", 10 ** 400),
+    ("temperature", None), ("temperature", True), ("temperature", 10 ** 400), ("temperature", 100.5),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.5), ("top_p", math.nan), ("top_p", "1"),
-    ("top_k", -2), ("top_k", 1.0), ("top_k", None),
+    ("top_k", -2), ("top_k", 1.0), ("top_k", None), ("top_k", MAX_TOP_K + 1), ("top_k", 10 ** 30),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.inf),
-    ("seed", -1), ("seed", 1.0), ("seed", "7"),
+    ("seed", -1), ("seed", 1.0), ("seed", "7"), ("seed", MAX_SEED + 1), ("seed", 10 ** 100),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    ("repetition_penalty", 1e-30), ("repetition_penalty", 1e30),
     ("presence_penalty", 2.5), ("presence_penalty", -2.5), ("frequency_penalty", 3.0),
     ("frequency_penalty", "x"),
     ("ignore_eos", 1), ("ignore_eos", "true"), ("ignore_eos", None),
     ("include_stop_str_in_output", 0), ("skip_special_tokens", "no"),
     ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5), ("stop", {"a": 1}), ("stop", ""),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)), ("stop", "x" * (MAX_STOP_STRING_CHARS + 1)),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("stop_token_ids", 5),
-    ("stop_token_ids", "12"),
-    ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True), ("logprobs", 2.0),
+    ("stop_token_ids", "12"), ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
+    ("logprobs", -1), ("logprobs", True), ("logprobs", 2.0),
     ("n", 2), ("n", 0),
 ]
 
@@ -43,12 +46,29 @@ def test_defaults_are_valid():
 @pytest.mark.parametrize("kwargs", [
     dict(max_tokens=1), dict(max_tokens=None), dict(temperature=0), dict(temperature=0.0), dict(top_p=1.0),
     dict(top_p=1e-6), dict(top_k=-1), dict(top_k=0), dict(top_k=5), dict(min_p=0.0), dict(min_p=1.0),
-    dict(seed=0), dict(seed=2 ** 64), dict(repetition_penalty=0.5), dict(presence_penalty=-2.0),
-    dict(frequency_penalty=2.0), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS), dict(stop_token_ids=(1, 2)),
-    dict(min_tokens=5, max_tokens=5), dict(stop=None), dict(stop_token_ids=None),
+    dict(seed=0), dict(seed=MAX_SEED), dict(repetition_penalty=0.5), dict(presence_penalty=-2.0),
+    dict(frequency_penalty=2.0), dict(logprobs=0), dict(logprobs=10 ** 6), dict(stop_token_ids=(1, 2)),
+    dict(min_tokens=5, max_tokens=5), dict(stop=None), dict(stop_token_ids=None), dict(top_k=MAX_TOP_K),
+    dict(temperature=100), dict(repetition_penalty=0.01), dict(repetition_penalty=100),
+    dict(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS), dict(stop_token_ids=[0] * MAX_STOP_TOKEN_IDS),
 ])
 def test_valid_values(kwargs):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(min_tokens=101), "min_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(stop_token_ids=[3, 1000]), "stop_token_ids"),
+])
+def test_model_dependent_ranges_name_the_field(kwargs, field):
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError) as error:
+        params.check_against_model(max_model_len=100, vocab_size=1000, max_logprobs=20)
+    assert str(error.value).startswith(f"{field}:"), str(error.value)
+
+
+def test_model_dependent_ranges_accept_their_limits():
+    SamplingParams(min_tokens=100, logprobs=20, stop_token_ids=[0, 999]).check_against_model(100, 1000, 20)
 
 
 def test_min_tokens_above_max_tokens():
@@ -122,3 +142,14 @@ def test_json_that_is_not_an_object(text):
 def test_json_infinity_is_rejected():
     with pytest.raises(ValueError, match=r"^temperature:"):
         SamplingParams.from_json('{"temperature": Infinity}')
+
+
+def test_every_field_has_a_documented_range():
+    """docs/serving.md's table names every numeric field (booleans have no range)."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    table = docs.split("| parameter | default | range |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    documented = {name for line in table for name in line.split("|")[1].replace("`", " ").replace(",", " ").split()}
+    numeric = {f.name for f in SamplingParams.__dataclass_fields__.values() if "bool" not in str(f.type)}
+    assert numeric <= documented, numeric - documented

@@ -11,6 +11,8 @@ import pytest
 from serving_utils import (collect, http_post, is_ready, metrics_when, open_sse, open_stream, sse_events, stream,
                            triton)
 
+from transformers import AutoTokenizer
+
 from nanoserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
@@ -92,18 +94,29 @@ def test_optional_outputs(server, offline, qwen3_dir):
     flags = {f"return_{name}": True for name in ("finish_reason", "cumulative_logprob", "logprobs",
                                                  "num_input_tokens", "num_output_tokens")}
     ref = offline[prompt]
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
     for streaming in (True, False):
         out = stream(server, MODEL, text_input=prompt, stream=streaming, exclude_input_in_output=True,
-                     sampling_parameters=GREEDY, **flags)
+                     sampling_parameters={**GREEDY, "logprobs": 2}, **flags)
         assert out.error is None
         last = out.responses[-1]
         assert last["finish_reason"].tolist() == [b"length"]
         assert last["num_input_tokens"].tolist() == [ref.num_prompt_tokens]
         assert sum(int(r["num_output_tokens"][0]) for r in out.responses) == N
         assert float(last["cumulative_logprob"][0]) == pytest.approx(ref.cumulative_logprob, abs=1e-3)
+        # vllm_backend's format: per token {token_id: {"logprob", "rank", "decoded_token"}}, the sampled one first
         logprobs = [entry for r in out.responses for entry in json.loads(r["logprobs"][0])]
         assert [int(next(iter(e))) for e in logprobs] == ref.token_ids
-        assert sum(next(iter(e.values())) for e in logprobs) == pytest.approx(ref.cumulative_logprob, abs=1e-3)
+        assert sum(next(iter(e.values()))["logprob"] for e in logprobs) == pytest.approx(ref.cumulative_logprob,
+                                                                                       abs=1e-3)
+        for entry, expected in zip(logprobs, ref.logprobs):
+            sampled = next(iter(entry.values()))
+            assert sampled["logprob"] == pytest.approx(next(iter(expected.values())), abs=1e-4)
+            assert sampled["rank"] == 1 and sorted(v["rank"] for v in entry.values()) == [1, 2]  # greedy
+            assert all(v["decoded_token"] == tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(
+                int(t))]) for t, v in entry.items())
+    out = stream(server, MODEL, text_input=prompt, sampling_parameters=GREEDY, return_logprobs=True)
+    assert out.responses[-1]["logprobs"].tolist() == [b"null"]  # no logprobs parameter: null, as vllm_backend
 
 
 BAD_INPUTS = [  # (inputs, request parameters, the field the error must name)

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.request import (OPTIONAL_OUTPUTS, SCALAR_INPUTS, TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS,
-                                       parse_request)
+from nanoserve.sampling_params import MAX_STOP_STRINGS
+from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
+                                       TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.responses import STOP, Register, ResponseThread, Stream, merge_into, text_arrays
+from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
+                                         vllm_logprobs)
 
 
 def text(value) -> np.ndarray:
@@ -74,11 +76,11 @@ def test_trtllm_scalar_tensors():
     assert p.stop == ["</s>", "\u00e9t\u00e9"]
 
 
-def test_return_flags_select_outputs_and_logprobs_default_to_sampled_token():
+def test_return_flags_select_outputs_and_logprobs_stay_off_without_the_parameter():
     flags = {f"return_{name}": np.array([True]) for name in OPTIONAL_OUTPUTS}
     req = parse(text_input=text("Hi"), **flags)
     assert req.outputs == set(OPTIONAL_OUTPUTS)
-    assert req.sampling_params.logprobs == 0
+    assert req.sampling_params.logprobs is None  # vllm_backend: the logprobs output is then null
     req = parse(text_input=text("Hi"), sampling_parameters=text('{"logprobs": 3}'), **flags)
     assert req.sampling_params.logprobs == 3
 
@@ -88,6 +90,17 @@ def test_token_prompt():
     assert req.prompt == [5, 6, 7]
     assert "input_ids: empty" in error_of(tokens=True, input_ids=np.array([], np.int32))
     assert error_of(tokens=True).startswith("input_ids: missing")
+
+
+def test_input_ids_beyond_max_model_len_are_rejected_before_they_are_read():
+    ids = np.zeros(10_000_000, np.int32)  # 40 MB: tolist() would make 10 M Python ints
+    with pytest.raises(ValueError, match=r"^input_ids: 10000000 tokens leave no room .* max_model_len \(2048\)"):
+        parse_request(getter(input_ids=ids), tokens=True, max_model_len=2048)
+    assert parse_request(getter(input_ids=ids[:2047]), tokens=True, max_model_len=2048).prompt == [0] * 2047
+
+
+def test_scalar_tensors_take_the_whole_seed_range():
+    assert parse(text_input=text("Hi"), seed=np.array([2 ** 64 - 1], np.uint64)).sampling_params.seed == 2 ** 64 - 1
 
 
 @pytest.mark.parametrize("tensors, parameters, field", [
@@ -119,6 +132,19 @@ def test_token_prompt():
     ({}, "[" * 100_000, "parameters"),
     ({"sampling_parameters": text(json.dumps({"stop_token_ids": "[" * 100_000}))}, "", "stop_token_ids"),
     ({}, json.dumps({"max_tokens": 3, "stop_token_ids": "[" * 100_000}), "stop_token_ids"),
+    # the TRT-LLM scalar tensors have the same ranges as sampling_parameters
+    ({"seed": np.array([-1], np.int64)}, "", "seed"),
+    ({"top_k": np.array([-7], np.int32)}, "", "top_k"),
+    ({"temperature": np.array([np.inf], np.float32)}, "", "temperature"),
+    ({"temperature": np.array([np.nan], np.float32)}, "", "temperature"),
+    ({"frequency_penalty": np.array([2.5], np.float32)}, "", "frequency_penalty"),
+    # sizes are bounded before anything is decoded or parsed
+    ({"sampling_parameters": text(" " * (MAX_JSON_BYTES + 1))}, "", "sampling_parameters"),
+    ({}, " " * (MAX_JSON_BYTES + 1), "parameters"),
+    ({"stop_words": np.array([b"x"] * (MAX_STOP_STRINGS + 1), dtype=object)}, "", "stop_words"),
+    ({"stop_words": np.array([b"x" * (MAX_STOP_WORD_BYTES + 1)], dtype=object)}, "", "stop_words"),
+    ({"sampling_parameters": text(json.dumps({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}))}, "", "stop"),
+    ({"sampling_parameters": text(json.dumps({"stop_token_ids": [1] * 1000}))}, "", "stop_token_ids"),
 ])
 def test_bad_input_names_the_field(tensors, parameters, field):
     if field != "text_input":
@@ -144,7 +170,7 @@ def test_contract_tables_match_design():
 def outputs_of(request_id, pieces, reason="length"):
     """RequestOutputs of one request, one token per step: pieces = [(token_id, text_delta), ...]."""
     return [RequestOutput(request_id, [t], d, i == len(pieces) - 1, reason if i == len(pieces) - 1 else None, 3,
-                          i + 1, -0.5 * (i + 1), [{t: -0.5}]) for i, (t, d) in enumerate(pieces)]
+                          i + 1, -0.5 * (i + 1), [{t: -0.5}], new_logprob_ranks=[1]) for i, (t, d) in enumerate(pieces)]
 
 
 def test_merge_into_joins_a_requests_steps():
@@ -155,7 +181,7 @@ def test_merge_into_joins_a_requests_steps():
     merged = list(pending.values())
     assert [m.request_id for m in merged] == ["a", "b"]
     assert merged[0].new_token_ids == [5, 6, 7] and merged[0].text_delta == "Hello"
-    assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}]
+    assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}] and merged[0].new_logprob_ranks == [1, 1, 1]
     assert merged[0].finished and merged[0].num_output_tokens == 3 and merged[0].cumulative_logprob == -1.5
     assert merged[1] is b[0]
 
@@ -164,15 +190,36 @@ def test_text_arrays_streaming_and_not():
     pieces = [(5, "He"), (6, ""), (7, "llo")]
     flags = {"return_num_output_tokens": np.array([True]), "return_finish_reason": np.array([True])}
     streaming = Stream(None, parse(text_input=text("Hi "), stream=np.array([True]), **flags))
-    sent = [text_arrays(streaming, o) for o in outputs_of("a", pieces)]
+    sent = [text_arrays(streaming, o, str) for o in outputs_of("a", pieces)]
     assert [a["text_output"][0] for a in sent] == [b"He", b"", b"llo"]  # token-level flag: every token sent
-    assert [a["finish_reason"][0] for a in sent] == [b"", b"", b"length"]
+    assert [a["finish_reason"][0] for a in sent] == [b"None", b"None", b"length"]  # as vllm_backend
     whole = Stream(None, parse(text_input=text("Hi "), **flags))
-    sent = [text_arrays(whole, o) for o in outputs_of("a", pieces)]
+    sent = []
+    for output in outputs_of("a", pieces):
+        sent.append(text_arrays(whole, output, str))
+        whole.token_ids += output.new_token_ids  # as the response thread does after formatting
     assert sent[:2] == [None, None] and sent[2]["text_output"][0] == b"Hi Hello"  # prompt prepended
     assert sent[2]["num_output_tokens"].tolist() == [3]
     quiet = Stream(None, parse(text_input=text("Hi "), stream=np.array([True])))
-    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0]) is None  # held-back text: nothing sent
+    assert text_arrays(quiet, outputs_of("a", [(6, ""), (7, "x")])[0], str) is None  # held back: nothing sent
+
+
+def test_logprobs_in_vllm_backends_format():
+    """Per token {token_id: {"logprob", "rank", "decoded_token"}}: the sampled token first (its own rank, or its
+    place among the top ones), then the top n by rank; null without the logprobs parameter."""
+    generated = Generated([7, 5], [{7: -2.0, 3: -0.1, 4: -0.5}, {5: -0.2, 9: -1.0}], [6, 1])
+    assert vllm_logprobs(generated, 2, lambda t: f"<{t}>") == [
+        {"7": {"logprob": -2.0, "rank": 6, "decoded_token": "<7>"},
+         "3": {"logprob": -0.1, "rank": 1, "decoded_token": "<3>"},
+         "4": {"logprob": -0.5, "rank": 2, "decoded_token": "<4>"}},
+        {"5": {"logprob": -0.2, "rank": 1, "decoded_token": "<5>"},
+         "9": {"logprob": -1.0, "rank": 2, "decoded_token": "<9>"}}]
+    flags = {"return_logprobs": np.array([True]), "stream": np.array([True])}
+    asked = Stream(None, parse(text_input=text("Hi"), sampling_parameters=text('{"logprobs": 0}'), **flags))
+    sent = text_arrays(asked, outputs_of("a", [(5, "x")])[0], str)
+    assert json.loads(sent["logprobs"][0]) == [{"5": {"logprob": -0.5, "rank": 1, "decoded_token": "5"}}]
+    not_asked = Stream(None, parse(text_input=text("Hi"), **flags))
+    assert text_arrays(not_asked, outputs_of("a", [(5, "x")])[0], str)["logprobs"].tolist() == [b"null"]
 
 
 # ---- the response thread's pacing (driven round by round, with a fake clock and fake Triton objects) -------
@@ -213,12 +260,14 @@ class FakeSender:
         return getattr(self, "cancelled", False)
 
 
-def response_thread(clock, send_budget, metrics=None):
+def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
-                                         record_finished=lambda *a: None, unpublished=False, publish=lambda: None)
-    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None), metrics,
-                          text_arrays, "text_input", send_budget=send_budget, clock=clock)
+                                         record_token_gap=lambda s: None,
+                                         record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
+    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
+                          lambda stream, output: text_arrays(stream, output, str, every_step), "text_input",
+                          send_budget=send_budget, every_step=every_step, clock=clock)
 
 
 def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num_steps=8):
@@ -267,6 +316,19 @@ def test_steps_handled_together_count_each_generated_token_once():
     assert generated == [3] and sender.sent == [("abc", True)]
 
 
+def test_every_step_sends_each_step_even_held_back_text_at_any_sending_cost():
+    """vllm_backend's streaming (send_every_step): one response per engine step, an empty delta when the step's
+    text is held back, even for steps handled in one round and when sending is slow."""
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=0.1, every_step=True)
+    sender = FakeSender(clock, send_seconds=0.05)
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
+    outputs = outputs_of("a", [(5, "He"), (6, ""), (7, ""), (8, "llo")])
+    thread.handle_events([StepResult(outputs=[outputs[0]], time=clock.now)])
+    thread.handle_events([StepResult(outputs=[output], time=clock.now) for output in outputs[1:]])
+    assert sender.sent == [("He", False), ("", False), ("", False), ("llo", True)] and not thread.pending
+
+
 def test_non_streaming_sends_one_response_whatever_the_pacing():
     clock = FakeClock()
     thread = response_thread(clock, send_budget=0.1)
@@ -276,6 +338,47 @@ def test_non_streaming_sends_one_response_whatever_the_pacing():
         clock.now += 0.01
         thread.handle_events([StepResult(outputs=[output], time=clock.now)])
     assert sender.sent == [("Hi Hello", True)] and not thread.streams
+
+
+class ErrorPb(FakePb):
+    class TritonError:
+        INVALID_ARG, INTERNAL, CANCELLED, UNAVAILABLE = "INVALID_ARG", "INTERNAL", "CANCELLED", "UNAVAILABLE"
+
+        def __init__(self, message, code):
+            self.message, self.code = message, code
+
+    @staticmethod
+    def InferenceResponse(output_tensors=(), error=None):
+        return {"error": error, **{name: array for name, array in output_tensors}}
+
+
+class RecordingSender:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, response, flags=0):
+        self.sent.append((response, flags))
+
+    def is_cancelled(self):
+        return False
+
+
+def test_a_failed_engine_ends_every_request_with_unavailable_and_is_reported_once():
+    thread = response_thread(FakeClock(), send_budget=1.0)
+    thread.pb, reported = ErrorPb, []
+    thread.on_engine_failure = reported.append
+    senders = [RecordingSender() for _ in range(3)]
+    for i, sender in enumerate(senders[:2]):
+        thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"))))])
+    assert thread.streams.keys() == {"0", "1"} and reported == []
+    thread.engine_thread.failure = "the engine thread died (RuntimeError: boom)"
+    thread.handle_events([])
+    thread.handle_events([Register("2", Stream(senders[2], parse(text_input=text("Hi"))))])  # raced the failure
+    assert thread.streams == {} and reported == ["the engine thread died (RuntimeError: boom)"]
+    for sender in senders:
+        [(response, flags)] = sender.sent
+        assert flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response["error"].code == "UNAVAILABLE"
+        assert "the engine thread died" in response["error"].message
 
 
 def test_send_budget_must_be_a_share():
@@ -290,7 +393,7 @@ def test_cancellation_checks_take_turns_across_many_streams():
     clock = FakeClock()
     aborted = []
     thread = response_thread(clock, send_budget=0.1)
-    thread.engine_thread = SimpleNamespace(abort=aborted.append)
+    thread.engine_thread = SimpleNamespace(abort=aborted.append, failure=None)
     senders = [FakeSender(clock, 0.0) for _ in range(2 * CANCEL_CHECKS_PER_ROUND + 3)]  # 3 rounds for everyone
     for i, sender in enumerate(senders):
         thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
@@ -361,6 +464,28 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
     assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
 
 
+def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
+    from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND, Metrics
+
+    calls, clock = [], FakeClock()
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
+    thread = response_thread(clock, send_budget=1.0, metrics=metrics)
+    for _ in range(SAMPLES_PER_ROUND):  # two samples each: vLLM's two inter-token histograms
+        metrics.record_token_gap(0.01)
+    metrics.record_generated(5)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == SAMPLES_PER_ROUND and metrics.unpublished
+    assert ("increment", "vllm:generation_tokens_total", 5) in calls  # counters and gauges go at once
+    thread.handle_events([])  # the next round, without waiting for PUBLISH_INTERVAL
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND and not metrics.unpublished
+    metrics.record_token_gap(0.01)
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND  # the interval again
+    clock.now += PUBLISH_INTERVAL
+    thread.handle_events([])
+    assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND + 2
+
+
 def test_closed_metrics_hold_no_family_or_metric():
     """finalize() closes the Metrics so that python_backend deletes every family while the stub can still tell
     tritonserver (a family collected in the stub's teardown segfaults it)."""
@@ -371,10 +496,11 @@ def test_closed_metrics_hold_no_family_or_metric():
 
     metrics = Metrics(fake_pb_with_metrics([]), "m", "1")
     metrics.record_engine(engine_stats(running=1, used=2))
-    alive = [weakref.ref(obj) for obj in [*metrics._families, metrics.running, *metrics.finished.values()]]
+    shown = (metric for quantity_metrics in metrics._targets.values() for metric in quantity_metrics)
+    alive = [weakref.ref(obj) for obj in [*metrics._families, *shown, *metrics.finished.values()]]
     metrics.close()
     gc.collect()
-    assert len(alive) == 16 + 2 and all(ref() is None for ref in alive)
+    assert len(alive) == 14 + 13 + 3 and all(ref() is None for ref in alive)
 
 
 def test_the_last_request_in_flight_publishes_before_its_final_response():

@@ -15,29 +15,56 @@ from nanoserve.serving import supervisor
 from nanoserve.serving.launcher import STUB_NAME, processes
 
 
+FAKE_STUB = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'%s', 0, 0, 0); time.sleep(300)"  # PR_SET_NAME
+             % STUB_NAME[:15])
+
+
 def test_a_stub_that_stays_a_zombie_is_reported_dead(tmp_path):
-    """A process that looks like a stub (argv[0] and the instance as its 8th argument), killed and never reaped:
-    its parent becomes `sleep`, which waits for no child."""
-    fake_stub = f"exec -a {tmp_path / STUB_NAME} {sys.executable} -c 'import time; time.sleep(300)' 3 4 5 6 7"
-    group = subprocess.Popen(["bash", "-c", f"{fake_stub} nanoserve_0_0 & exec sleep 300"], start_new_session=True)
+    """Processes that look like stubs (their name, argv[0] and the instance as 8th argument) and one that does not,
+    killed and never reaped: their parent becomes `sleep`, which waits for no child. One stub is killed before the
+    watch ever saw it alive: a stub that dies right after loading is still noticed."""
+    def fake_stub(instance: str) -> str:
+        return f"exec -a {tmp_path / STUB_NAME} {sys.executable} -c \"{FAKE_STUB}\" 3 4 5 6 7 {instance}"
+
+    script = f"{fake_stub('nanoserve_0_0')} & {fake_stub('ensemble_0_0')} & sleep 300 & exec sleep 300"
+    group = subprocess.Popen(["bash", "-c", script], start_new_session=True)
     try:
-        stub = child_pid(group.pid)
-        while supervisor.stub_instance(stub) != "nanoserve_0_0":  # until it has exec'd
-            time.sleep(0.01)
+        children = child_pids(group.pid, 3)
+        while sorted(supervisor.stub_instance(pid) for pid in children) != ["", "ensemble_0_0", "nanoserve_0_0"]:
+            time.sleep(0.01)  # until the stubs have exec'd
+        by_instance = {supervisor.stub_instance(pid): pid for pid in children}
+        seen, unseen, other = by_instance["nanoserve_0_0"], by_instance["ensemble_0_0"], by_instance[""]
+        while not (supervisor.is_stub(seen) and supervisor.is_stub(unseen)):
+            time.sleep(0.01)  # until they have named themselves
+        os.kill(unseen, signal.SIGKILL)
         now = [0.0]
         watch = supervisor.StubWatch(group.pid, clock=lambda: now[0])
-        assert watch.dead() == [] and watch.instances[stub] == "nanoserve_0_0"
-        os.kill(stub, signal.SIGKILL)
-        while dict((pid, state) for pid, state, _, _ in processes()).get(stub) != "Z":
-            time.sleep(0.01)
+        wait_for_zombie(unseen)
+        assert watch.dead() == [] and watch.instances[seen] == "nanoserve_0_0"
+        for pid in (seen, other):
+            os.kill(pid, signal.SIGKILL)
+            wait_for_zombie(pid)
         assert watch.dead() == []  # tritonserver reaps the stubs it stops itself: give it ZOMBIE_GRACE
         now[0] += supervisor.ZOMBIE_GRACE
-        dead = watch.dead()
-        assert [(d.pid, d.instance) for d in dead] == [(stub, "nanoserve_0_0")]
+        dead = sorted(watch.dead(), key=lambda d: d.pid != seen)
+        assert [(d.pid, d.instance) for d in dead] == [(seen, "nanoserve_0_0"), (unseen, "an unknown model instance")]
         assert str(dead[0]).endswith("killed by signal 9")
     finally:
         kill_group(group.pid)
         group.wait()
+
+
+def child_pids(parent: int, count: int) -> list[int]:
+    deadline = time.monotonic() + TIMEOUT
+    while len(children := [pid for pid, _, ppid, _ in processes() if ppid == parent]) < count:
+        assert time.monotonic() < deadline, f"{parent} has {len(children)} children, not {count}"
+        time.sleep(0.01)
+    return children
+
+
+def wait_for_zombie(pid: int) -> None:
+    while dict((pid, state) for pid, state, _, _ in processes()).get(pid) != "Z":
+        time.sleep(0.01)
 
 
 class Addresses:
@@ -49,7 +76,8 @@ class Addresses:
 def wait_until(condition, timeout: float, cli) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read()
+        assert cli.poll() is None, f"nanoserve serve exited with code {cli.poll()}"
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s"
         time.sleep(0.1)
 
 
@@ -59,11 +87,16 @@ def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, t
     ports = free_ports(3)
     cli = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", "--model-repository", str(repository),
                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",
-                            str(ports[2])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server, tritons = Addresses(*ports), []
+                            str(ports[2]), "--openai-port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, tritons, banner = Addresses(*ports), [], []
     try:
+        for line in cli.stdout:  # until the banner: the models are ready and the supervisor watches
+            banner.append(line)
+            if line.startswith("Ctrl-C stops"):
+                break
+        assert banner and banner[-1].startswith("Ctrl-C stops"), "".join(banner)
         tritons.append(child_pid(cli.pid))
-        wait_until(lambda: http_ready(ports[0]), LOAD_TIMEOUT, cli)
         streams = [open_stream(server, "nanoserve", text_input="Hi", stream=True,
                                sampling_parameters={"ignore_eos": True, "max_tokens": 1500}) for _ in range(2)]
         assert all(events.get(timeout=TIMEOUT)[1] is None for _, events in streams)
@@ -82,7 +115,7 @@ def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, t
         print(f"streams failed {failed:.1f} s and the model served again {serving:.1f} s after the kill")
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(TIMEOUT) == 0
-        output = cli.stdout.read()
+        output = "".join(banner) + cli.stdout.read()
         assert "the stub of nanoserve_0_0" in output and "killed by signal 9; restarting tritonserver" in output
         assert all(group_members(pid) == [] for pid in tritons)
         assert shm_regions(f"triton_nanoserve_{cli.pid}_") == []

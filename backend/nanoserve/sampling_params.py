@@ -1,11 +1,22 @@
-"""Per-request sampling parameters, validated on construction (errors name the field)."""
+"""Per-request sampling parameters, validated on construction (errors name the field).
+
+Every numeric field has a documented range (docs/serving.md): what the constructor checks needs nothing but the
+value; what depends on the model (max_model_len, the vocabulary, the engine's max_logprobs) is checked when the
+engine admits the request (`check_against_model`). Whatever passes both is safe for the sampler and the engine.
+"""
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field, fields
 
-MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_TOP_K = 2 ** 63 - 1  # a 64-bit int; the sampler treats any value at or above the vocabulary as "off"
+MAX_SEED = 2 ** 64 - 1
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -45,30 +56,37 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} is greater than max_tokens ({self.max_tokens})")
-        _check_number("temperature", self.temperature, lo=0.0)
+        _check_number("temperature", self.temperature, lo=0.0, hi=MAX_TEMPERATURE)
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        _check_int("top_k", self.top_k, minimum=-1)
+        _check_int("top_k", self.top_k, minimum=-1, maximum=MAX_TOP_K)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_int("seed", self.seed, minimum=0, optional=True)
-        _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
+        _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop: must be a string or a list of non-empty strings")
+        _check_stop(self.stop)
+        _check_size("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            raise ValueError(f"logprobs: at most {MAX_LOGPROBS}, got {self.logprobs}")
         if self.n != 1:
             raise ValueError(f"n: only n=1 is supported, got {self.n!r}")
+
+    def check_against_model(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
+        """The ranges that depend on the model; the engine calls this when it admits the request (the prompt
+        plus max_tokens is checked there too)."""
+        if self.min_tokens > max_model_len:
+            raise ValueError(f"min_tokens: must be <= max_model_len ({max_model_len}), got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"logprobs: at most max_logprobs ({max_logprobs}), got {self.logprobs}")
+        outside = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
     @classmethod
     def from_dict(cls, params: dict) -> "SamplingParams":
@@ -120,13 +138,28 @@ def _as_list(name, value) -> list:
     return list(value)
 
 
-def _check_int(name, value, minimum, optional=False):
+def _check_int(name, value, minimum, maximum=None, optional=False):
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    if value < minimum or maximum is not None and value > maximum:
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}: must be {bounds}, got {value}")
+
+
+def _check_size(name, values: list, limit: int) -> None:
+    if len(values) > limit:
+        raise ValueError(f"{name}: at most {limit} entries, got {len(values)}")
+
+
+def _check_stop(stop: list) -> None:
+    _check_size("stop", stop, MAX_STOP_STRINGS)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError("stop: must be a string or a list of non-empty strings")
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise ValueError(f"stop: a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(longest)}")
 
 
 def _check_number(name, value, lo=None, hi=None):

@@ -5,10 +5,11 @@ and the models the tests compare against `transformers`.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import sys
+
+from nanoserve.help_format import ArgumentParser
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -80,10 +81,10 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, max_shard
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir")
-    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir", help="the checkpoint directory to write")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3", help="architecture")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args(argv)
     build_tiny_model(args.out_dir, args.arch, args.seed)
     print(f"wrote a random-weight {args.arch} checkpoint to {args.out_dir}")

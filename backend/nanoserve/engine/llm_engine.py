@@ -18,7 +18,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -35,6 +35,7 @@ class RequestOutput:
     cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
 
 
 @dataclass
@@ -95,6 +96,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         IncrementalDetokenizer(self.tokenizer, [])  # builds the tokenizer's byte table now, not at the first request
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, config.max_model_len)  # longer texts cannot fit
         self.model_runner = ModelRunner(config)  # fixes config.num_kvcache_blocks
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -119,6 +121,7 @@ class LLMEngine:
         RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         prompt_ids = self.tokenize(prompt)
         max_tokens = sampling_params.max_tokens
         if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
@@ -132,7 +135,7 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return encode_prompt_text(self.tokenizer, prompt)
+            return encode_prompt_text(self.tokenizer, prompt, self.max_prompt_bytes)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError("prompt: expected a string or a list of token ids")
         self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks
@@ -160,20 +163,37 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs, self.pending_outputs = self.pending_outputs, []
+        """The abort notices queued since the last step, then this step's outputs. The notices are taken only
+        once the step has succeeded: a step that raises loses none of them."""
+        outputs: list[RequestOutput] = []
         started = time.perf_counter()
         plan = self.scheduler.schedule()
-        if not plan:
+        if plan:
+            seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
+            sampled = self.model_runner.execute(plan)
+            self.scheduler.postprocess(plan, sampled.token_ids)  # appends each sampled token to its sequence
+            self._check_stops(plan, seqs, sampled, outputs)
+            self.num_generation_tokens += len(sampled.token_ids)
+            prefill = plan.num_prefill_tokens
+            self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
+        else:
             self.last_step = StepStats()
-            return outputs
-        seqs = plan.sampling_seqs  # before the step appends tokens (which changes what "samples" means)
-        sampled = self.model_runner.execute(plan)
-        self.scheduler.postprocess(plan, sampled.token_ids)  # appends each sampled token to its sequence
-        self._check_stops(plan, seqs, sampled, outputs)
-        self.num_generation_tokens += len(sampled.token_ids)
-        prefill = plan.num_prefill_tokens
-        self.last_step = StepStats(prefill, plan.num_batched_tokens - prefill, time.perf_counter() - started)
+        outputs, self.pending_outputs = self.pending_outputs + outputs, []
         return outputs
+
+    def fail_and_recover(self, request_ids) -> list[str]:
+        """After step() raised: drop the requests in request_ids (the suspects: those admitted or changed since
+        the last step that succeeded; their blocks are freed and no output comes for them) and preempt every
+        other running request by recompute (blocks freed, back to waiting, its tokens kept), so step() can be
+        retried without the suspects. Returns the ids dropped (the caller fails them).
+        The retry repeats the failed step for the others when it failed before its results were applied
+        (scheduling, the forward pass, sampling): seeded and greedy requests then get the same tokens."""
+        dropped = [request_id for request_id in request_ids if self.requests.pop(request_id, None) is not None]
+        for request_id in dropped:
+            self.scheduler.abort(request_id)
+        self.scheduler.preempt_all()
+        self._stop_checks = None
+        return dropped
 
     def _check_stops(self, plan, seqs: list[Sequence], sampled, outputs: list[RequestOutput]) -> None:
         """After the scheduler appended the sampled tokens: look only at the rows that may stop or are watched
@@ -196,7 +216,8 @@ class LLMEngine:
             seq = request.seq
             if request.watched:  # a row not looked at every step has no cumulative logprob (None in its output)
                 seq.cumulative_logprob += logprobs[row]
-            new_logprobs = self._new_logprobs(request, token_id, sampled, row) if request.wants_logprobs else []
+            new_logprobs, new_ranks = self._new_logprobs(request, token_id, sampled, row) \
+                if request.wants_logprobs else ([], [])
             detokenizer = request.detokenizer
             delta = detokenizer.add_token(token_id) if request.needs_text else ""
             reason = None
@@ -212,13 +233,16 @@ class LLMEngine:
             if request.stream:
                 outputs.append(RequestOutput(seq.request_id, [token_id], delta, reason is not None, reason,
                                              seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
-                                             seq.cumulative_logprob, new_logprobs, seq.num_cached_tokens))
+                                             seq.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
+                                             new_ranks))
 
     @staticmethod
-    def _new_logprobs(request: _Request, token_id: int, sampled, row: int) -> list[dict[int, float]]:
+    def _new_logprobs(request: _Request, token_id: int, sampled, row: int) -> tuple[list[dict], list[int]]:
         new_logprobs = [{**(sampled.top_logprobs[row] or {}), token_id: sampled.sampled_logprobs[row]}]
+        new_ranks = [sampled.sampled_ranks[row]]
         request.seq.logprobs.extend(new_logprobs)
-        return new_logprobs
+        request.seq.logprob_ranks.extend(new_ranks)
+        return new_logprobs, new_ranks
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -248,7 +272,7 @@ class LLMEngine:
         return RequestOutput(seq.request_id, seq.output_token_ids, detokenizer.text, True, reason,
                              seq.num_prompt_tokens, seq.num_output_tokens,
                              seq.cumulative_logprob if request.watched else None, list(seq.logprobs),
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, list(seq.logprob_ranks))
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

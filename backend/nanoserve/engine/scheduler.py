@@ -283,6 +283,13 @@ class Scheduler:
         self.num_preemptions += 1
         plan.preempted.append(seq)
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order
+        (the engine's recovery from a failed step)."""
+        plan = StepPlan()
+        while self.running:
+            self._preempt(self.running[-1], plan)
+
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]

@@ -16,7 +16,7 @@ class SequenceStatus(Enum):
 class Sequence:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "max_tokens", "status",
                  "block_table", "num_computed_tokens", "num_cached_tokens", "finish_reason", "arrival_time",
-                 "logprobs", "cumulative_logprob")  # slots: every step reads and writes these for every sequence
+                 "logprobs", "logprob_ranks", "cumulative_logprob")  # slots: every step reads and writes these for every sequence
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  max_tokens: int, arrival_time: float | None = None):
@@ -32,6 +32,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.logprobs: list[dict[int, float]] = []  # per generated token: {token_id: logprob}
+        self.logprob_ranks: list[int] = []  # per generated token: its rank in the vocabulary (with logprobs)
         self.cumulative_logprob = 0.0
 
     def __len__(self) -> int:

@@ -1,6 +1,41 @@
 """How a text prompt becomes token ids: one definition for the engine, the serving front end and the ensemble's
-preprocessing model, so that every path feeds the model the same ids. Imports nothing heavy."""
+preprocessing model, so that every path feeds the model the same ids. Imports nothing heavy.
+
+A prompt that cannot fit is rejected before it is tokenized (tokenizing a multi-MB text takes seconds and
+hundreds of MB): a token stands for at most `max_token_bytes(tokenizer)` bytes of text, so a text of B bytes is
+at least B / max_token_bytes tokens.
+"""
+
+# NFC/NFKC normalization can compose up to three characters into one (Hangul jamo) before the text is split.
+NORMALIZER_SLACK = 3
 
 
-def encode_prompt_text(tokenizer, text: str) -> list[int]:
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of prompt text one token can stand for (compute once per tokenizer: it walks the
+    vocabulary). The longest vocabulary entry's UTF-8 length bounds it: a byte-level BPE entry has one
+    character per byte it encodes, a SentencePiece one a 3-byte "▁" per space. Times NORMALIZER_SLACK when the
+    tokenizer normalizes the text first (or its pipeline is not known)."""
+    longest = max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizes = backend is None or backend.normalizer is not None
+    return max(longest, 1) * (NORMALIZER_SLACK if normalizes else 1)
+
+
+def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
+    """The longest text (UTF-8 bytes) that may still leave room for one generated token within max_model_len."""
+    return (max_model_len - 1) * max_token_bytes(tokenizer)
+
+
+def check_prompt_bytes(text: str, max_bytes: int | None) -> None:
+    if max_bytes is None:
+        return
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise ValueError(f"prompt: {size} bytes of text cannot fit max_model_len (at most {max_bytes} bytes for "
+                         f"this tokenizer); rejected without tokenizing")
+
+
+def encode_prompt_text(tokenizer, text: str, max_bytes: int | None = None) -> list[int]:
+    """max_bytes (max_prompt_bytes): reject a longer text with a ValueError naming the prompt, untokenized."""
+    check_prompt_bytes(text, max_bytes)
     return tokenizer.encode(text, add_special_tokens=True)

@@ -24,7 +24,7 @@ from nanoserve.engine.sequence import Sequence
 GREEDY_TEMPERATURE = 1e-5  # below this, logits / T can overflow float32: treat the row as greedy
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
-_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
 Scalar = float | int
 
 
@@ -34,6 +34,9 @@ class SamplerOutput:
     token_array: np.ndarray = field(compare=False)  # the same ids, int64 [N], for checks over the batch
     sampled_logprobs: list[float]  # log-softmax of the penalized logits at the sampled token
     top_logprobs: list[dict[int, float] | None]  # the n most likely tokens plus the sampled one, when asked
+    # when logprobs are asked: the sampled token's rank in the vocabulary (1 + tokens with a higher logprob;
+    # vLLM counts ties as higher too), else None
+    sampled_ranks: list[int | None] = field(default_factory=list)
 
 
 @dataclass
@@ -141,11 +144,11 @@ class SamplingMetadata:
             self.greedy = _tensor(greedy, torch.bool, device)
             temps = [1.0 if g else t for g, t in zip(greedy, temps)]
         self.temperatures = _column(temps, torch.float32, device)
-        top_ks = [p.top_k for p in params]
-        if max(top_ks) > 0:
-            self.top_ks = _column([k if k > 0 else _NO_TOP_K for k in top_ks], torch.long, device)
+        top_ks = [min(p.top_k, _NO_TOP_K) if p.top_k > 0 else _NO_TOP_K for p in params]  # > any vocabulary: off
+        if min(top_ks) < _NO_TOP_K:
+            self.top_ks = _column(top_ks, torch.long, device)
             sampled_ks = [k for k, g in zip(top_ks, greedy) if not g]  # greedy rows ignore their filters
-            if min(sampled_ks) > 0:
+            if max(sampled_ks) < _NO_TOP_K:
                 self.max_top_k = max(sampled_ks)
         top_ps = [p.top_p for p in params]
         if min(top_ps) < 1.0:
@@ -186,7 +189,7 @@ class Sampler:
         token_list = token_array.tolist()
         logprob_list = sampled_logprobs.tolist()
         top = _top_logprobs(logits, log_norm, token_list, logprob_list, meta)
-        return SamplerOutput(token_list, token_array, logprob_list, top)
+        return SamplerOutput(token_list, token_array, logprob_list, top, _sampled_ranks(logits, token_ids, meta))
 
     def _sample(self, logits: torch.Tensor, shifted: torch.Tensor, weights: torch.Tensor,
                 meta: SamplingMetadata) -> torch.Tensor:
@@ -289,9 +292,15 @@ def apply_min_p(logits: torch.Tensor, log_min_ps: Scalar | torch.Tensor) -> torc
 
 
 def step_seed(seed: int, step: int) -> int:
-    """Generator seed for one seeded row at one output position. The multiplier is odd, so distinct seeds map
-    to distinct, far-apart values; the generator's own seeding scrambles them further."""
-    return (seed * 0x9E3779B97F4A7C15 + step) & _MASK63
+    """Generator seed for one seeded row (seed in [0, 2**64)) at one output position: splitmix64's mix of
+    seed + step * golden-ratio constant, a bijection on 64 bits, so every bit of the seed matters. torch's CPU
+    generator keeps only the low 32 bits of its seed (Philox on CUDA keeps all 64), so the high half is folded
+    into the low one: seeds that differ only above bit 32 (or 63) still get different streams."""
+    x = (seed + step * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return x ^ (x >> 32)
 
 
 def _top_logprobs(logits, log_norm, token_ids, sampled_logprobs, meta) -> list[dict[int, float] | None]:
@@ -311,6 +320,18 @@ def _top_logprobs(logits, log_norm, token_ids, sampled_logprobs, meta) -> list[d
         entry[token_ids[row]] = sampled_logprobs[row]
         top[row] = entry
     return top
+
+
+def _sampled_ranks(logits: torch.Tensor, token_ids: torch.Tensor, meta) -> list[int | None]:
+    """For the rows asking for logprobs: how many tokens have a logit at least the sampled token's (vLLM's rank)."""
+    ranks: list[int | None] = [None] * meta.num_rows
+    if not meta.logprobs:
+        return ranks
+    rows = torch.tensor([row for row, _ in meta.logprobs], device=logits.device)
+    chosen = logits[rows].gather(1, token_ids[rows].unsqueeze(1))
+    for row, rank in zip(rows.tolist(), (logits[rows] >= chosen).sum(dim=-1).tolist()):
+        ranks[row] = rank
+    return ranks
 
 
 def _build_penalties(seqs, reps, presences, frequencies, device) -> Penalties:

@@ -1,5 +1,11 @@
 """The continuous-batching loop: one thread owns the LLMEngine (not thread-safe), applies the add/abort commands
-queued by other threads between steps, and sleeps on a condition while there is nothing to do."""
+queued by other threads between steps, and sleeps on a condition while there is nothing to do.
+
+A step that raises must not fail the requests that did nothing wrong. The suspects are the requests admitted
+since the last step that succeeded: they are failed, every other request is preempted by recompute
+(LLMEngine.fail_and_recover), and the step is retried without them. If the retry raises too, or the thread dies,
+the engine has failed (`failure`): every request in flight ends with UNAVAILABLE and the model reports not ready
+(see backend/model.py)."""
 from __future__ import annotations
 
 import copy
@@ -34,17 +40,29 @@ class EngineThread:
         self._commands: list[tuple] = []
         self._cond = threading.Condition()
         self._stopping = False
+        self._admitted: set[str] = set()  # added since the last step that succeeded: the suspects if one fails
+        self._failure: str | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more (None while it can)."""
+        return self._failure
 
     def start(self) -> "EngineThread":
         self._thread.start()
         return self
 
     def add(self, request_id: str, prompt, sampling_params) -> None:
-        """Called from execute(): text is tokenized here, on the caller's thread, so that a huge prompt
-        stalls only its own request and never the streams the engine thread is serving."""
+        """Called from execute(): text is tokenized here, on the caller's thread, so that a long prompt stalls
+        only its own request and never the streams the engine thread is serving. One that cannot fit is
+        rejected untokenized (its StepResult.rejected entry comes like any other)."""
         if isinstance(prompt, str):
-            prompt = encode_prompt_text(self._tokenizer, prompt)
+            try:
+                prompt = encode_prompt_text(self._tokenizer, prompt, self.engine.max_prompt_bytes)
+            except ValueError as e:
+                self._push(("reject", request_id, str(e)))
+                return
         self._push(("add", request_id, prompt, sampling_params))
 
     def abort(self, request_id: str) -> None:
@@ -63,7 +81,14 @@ class EngineThread:
 
     def _run(self) -> None:
         set_os_thread_name(self._thread.name)
-        while True:
+        try:
+            self._loop()
+        except BaseException as e:  # whatever ends the thread ends the engine
+            logger.error("nanoserve engine thread died:\n%s", traceback.format_exc())
+            self._failure = f"the engine thread died ({type(e).__name__}: {e})"
+
+    def _loop(self) -> None:
+        while self._failure is None:
             with self._cond:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                     self._cond.wait()
@@ -72,31 +97,52 @@ class EngineThread:
                 commands, self._commands = self._commands, []
             result = StepResult()
             self._apply(commands, result)
-            try:
-                if self.engine.has_unfinished_requests():
-                    result.outputs = self.engine.step()
-            except Exception:  # keep serving: fail what was running, not the model
-                logger.error("nanoserve engine step failed:\n%s", traceback.format_exc())
-                result.failed += self._abort_all("internal error: the engine step failed (see the server log)")
+            if self.engine.has_unfinished_requests():
+                self._step(result)
             result.stats, result.time = self.engine.stats(), time.monotonic()
             self.results.put(result)
+
+    def _step(self, result: StepResult) -> None:
+        in_flight = set(self.engine.requests)
+        try:
+            result.outputs = self.engine.step()
+        except Exception:
+            logger.error("nanoserve engine step failed; retrying it without the %d request(s) admitted since the "
+                         "last step that succeeded:\n%s", len(self._admitted), traceback.format_exc())
+            self._recover(in_flight, result)
+        self._admitted.clear()
+
+    def _recover(self, in_flight: set[str], result: StepResult) -> None:
+        suspects = self.engine.fail_and_recover(self._admitted)
+        result.failed += [(request_id, "internal error: the engine step failed with this request in it (see the "
+                                       "server log)") for request_id in suspects]
+        # finished by the failed step before it raised: their last output is lost
+        lost = in_flight - set(self.engine.requests) - set(suspects)
+        result.failed += [(request_id, "internal error: the engine step failed (see the server log)")
+                          for request_id in sorted(lost)]
+        try:
+            result.outputs = self.engine.step()
+        except Exception:
+            logger.error("nanoserve engine step failed again after recovery; the engine has failed:\n%s",
+                         traceback.format_exc())
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)  # frees the blocks; the response thread ends the requests
+            self.engine.pending_outputs.clear()
+            self._failure = "an engine step failed again after recovering from a failed step"
 
     def _apply(self, commands: list[tuple], result: StepResult) -> None:
         for kind, request_id, *args in commands:
             if kind == "abort":
                 self.engine.abort_request(request_id)  # its "abort" output comes with the next step()
                 continue
+            if kind == "reject":
+                result.rejected.append((request_id, *args))
+                continue
             try:
                 self.engine.add_request(request_id, *args)
+                self._admitted.add(request_id)
             except ValueError as e:
                 result.rejected.append((request_id, str(e)))
             except Exception as e:
                 logger.error("nanoserve add_request failed:\n%s", traceback.format_exc())
                 result.failed.append((request_id, f"internal error: {e}"))
-
-    def _abort_all(self, message: str) -> list[tuple[str, str]]:
-        request_ids = list(self.engine.requests)
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-        self.engine.pending_outputs.clear()
-        return [(request_id, message) for request_id in request_ids]

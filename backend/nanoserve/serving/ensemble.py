@@ -29,8 +29,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop, withheld_chars
-from nanoserve.engine.tokenize import encode_prompt_text
-from nanoserve.serving.responses import Stream, optional_arrays, string_array
+from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, max_prompt_bytes
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.serving.model_json import max_model_len_bound, tokenizer_dir
+from nanoserve.serving.request import json_object, required, single, utf8
+from nanoserve.serving.responses import (Generated, Stream, accumulate, finish_reason_text, optional_arrays,
+                                         string_array, token_decoder)
 
 CONTEXT_IDS = 16
 CANCEL_PARAMETER = "cancel_request_id"  # a control request's parameter: the request_id output of the one to cancel
@@ -38,10 +42,12 @@ CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's cli
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
-def token_formatter(tokenizer):
-    """The token model's formatter for the response thread, knowing the engine tokenizer's special ids."""
+def token_formatter(tokenizer, every_step: bool = False):
+    """The token model's formatter for the response thread, knowing the engine tokenizer's special ids. Every
+    streamed step has new ids to send, so every_step (see text_formatter) changes nothing here."""
     special_ids = special_token_ids(tokenizer)
-    return lambda stream, output: token_arrays(stream, output, special_ids)
+    token_text = token_decoder(tokenizer)
+    return lambda stream, output: token_arrays(stream, output, special_ids, token_text)
 
 
 def special_token_ids(tokenizer) -> frozenset[int]:
@@ -82,9 +88,9 @@ class DecodeContext:
             del self.tail[:-(2 * self.size + 1)]
 
 
-def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -> dict | None:
+def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset(), token_text=str) -> dict | None:
     """Token-level engine: output_ids (new ids; all of them when not streaming), context_ids, finish_reason
-    ("" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
+    ("None" until the last response) and detokenize_params in every response, so postprocessing needs no state."""
     request = stream.request
     if stream.formatter_state is None:
         stream.formatter_state = DecodeContext.of(request.sampling_params, special_ids)
@@ -92,22 +98,26 @@ def token_arrays(stream: Stream, output, special_ids: frozenset = frozenset()) -
     if request.stream:
         if not (output.new_token_ids or output.finished):
             return None
-        new_ids, logprobs, num_output = output.new_token_ids, output.new_logprobs, len(output.new_token_ids)
+        generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         window = context.window()  # output only, as the engine decodes it
-        context.add(new_ids)
+        context.add(generated.token_ids)
     else:
-        stream.logprobs += output.new_logprobs
-        if not output.finished:
+        if not accumulate(stream, output):
             return None
-        new_ids, logprobs, num_output = stream.token_ids + output.new_token_ids, stream.logprobs, \
-            output.num_output_tokens
+        generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
         window = []
-    return {**optional_arrays(request, output, logprobs, num_output),
-            "output_ids": np.array(new_ids, dtype=np.int32),
+    return {**optional_arrays(request, output, generated, token_text),
+            "output_ids": np.array(generated.token_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),
-            "finish_reason": string_array(output.finish_reason or ""),
+            "finish_reason": string_array(finish_reason_text(output)),
             "detokenize_params": context.params,
             "request_id": string_array(output.request_id)}
+
+
+def is_final(finish_reason: bytes | str) -> bool:
+    """Whether a token model's finish_reason value ends the request ("None" before the last response)."""
+    value = finish_reason.decode() if isinstance(finish_reason, bytes) else finish_reason
+    return value not in ("", "None")
 
 
 def context_size(params) -> int:
@@ -121,30 +131,37 @@ def detokenize_params(params) -> str:
 
 
 def engine_model(args: dict) -> str:
-    """The engine model a Python model of the ensemble works with: its config parameter "engine_model"."""
+    """Pre/postprocessing: the engine model named by the config parameter "engine_model" (a model in the same
+    repository), so the checkpoint is configured in one model.json."""
     parameters = json.loads(args["model_config"]).get("parameters", {})
     return parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
 
 
+def engine_dir(args: dict) -> str:
+    return os.path.join(os.path.dirname(args["model_repository"]), engine_model(args))
+
+
 def engine_tokenizer(args: dict):
-    """The tokenizer of the engine model (a model in the same repository), so the checkpoint is configured in one
-    model.json."""
     from transformers import AutoTokenizer
 
-    from nanoserve.serving.model_json import tokenizer_dir
+    return AutoTokenizer.from_pretrained(tokenizer_dir(engine_dir(args)))
 
-    engine_dir = os.path.join(os.path.dirname(args["model_repository"]), engine_model(args))
-    return AutoTokenizer.from_pretrained(tokenizer_dir(engine_dir))
+
+def engine_max_prompt_bytes(args: dict, tokenizer) -> int | None:
+    """The longest text the engine model could take (None: unknown), so preprocessing rejects what cannot fit
+    before it tokenizes; the engine checks the exact length."""
+    max_model_len = max_model_len_bound(engine_dir(args))
+    return None if max_model_len is None else max_prompt_bytes(tokenizer, max_model_len)
 
 
 def cancel_target(parameters: str) -> str | None:
     """The request id a control request cancels (parameter CANCEL_PARAMETER); None for every other request (whose
-    parameters, even invalid JSON, are the request parser's to judge)."""
+    parameters, even invalid ones, are the request parser's to judge)."""
     try:
-        values = json.loads(parameters) if parameters else {}
-    except (json.JSONDecodeError, RecursionError):
+        values = json_object("parameters", parameters)
+    except ValueError:
         return None
-    if not isinstance(values, dict) or CANCEL_PARAMETER not in values:
+    if CANCEL_PARAMETER not in values:
         return None
     target = values[CANCEL_PARAMETER]
     if not isinstance(target, str) or not target:
@@ -174,6 +191,54 @@ class CancelChecks:
 
     def cancelled(self, request_id: str) -> None:
         self.next_check[request_id] = float("inf")
+FINISH_REASONS = ("None", "", "stop", "length", "abort")  # "None" (or "") before the last response
+DETOKENIZE_KEYS = ("skip_special_tokens", "stop", "include_stop_str_in_output")
+
+
+@dataclass
+class DetokenizeRequest:
+    """The postprocessing model's inputs, checked (ValueError naming the input): what the token model sends."""
+    context_ids: list[int]
+    new_ids: list[int]
+    finish_reason: str
+    params: dict  # decode_delta's keyword arguments
+    request_id: str | None  # the engine's id for the request, which cancels it (None: no cancellation)
+
+    @classmethod
+    def parse(cls, get, max_ids: int | None) -> "DetokenizeRequest":
+        """get(name) -> numpy array or None; max_ids bounds each id input (the engine's max_model_len)."""
+        reason = utf8("finish_reason", single("finish_reason", required(get, "finish_reason")))
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason: must be one of {FINISH_REASONS}, got {reason[:100]!r}")
+        params = get("detokenize_params")
+        params = {} if params is None else json_object("detokenize_params", single("detokenize_params", params))
+        request_id = get("request_id")
+        request_id = None if request_id is None else utf8("request_id", single("request_id", request_id))
+        return cls(_token_ids(get, "context_ids", max_ids), _token_ids(get, "output_ids", max_ids), reason,
+                   _detokenize_params(params), request_id)
+
+
+def _token_ids(get, name: str, max_ids: int | None) -> list[int]:
+    array = required(get, name)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{name}: expected integer token ids, got {array.dtype}")
+    if max_ids is not None and array.size > max_ids:
+        raise ValueError(f"{name}: at most {max_ids} ids, got {array.size}")
+    if array.size and array.min() < 0:
+        raise ValueError(f"{name}: token ids are >= 0, got {array.min()}")
+    return array.reshape(-1).tolist()
+
+
+def _detokenize_params(values: dict) -> dict:
+    """The keys detokenize_params() writes, checked as SamplingParams checks them."""
+    unknown = sorted(set(values) - set(DETOKENIZE_KEYS))
+    if unknown:
+        raise ValueError(f"detokenize_params: unknown key {unknown[0]!r} (known: {', '.join(DETOKENIZE_KEYS)})")
+    try:
+        checked = SamplingParams(**values)
+    except ValueError as e:
+        raise ValueError(f"detokenize_params: {e}") from None
+    return {key: getattr(checked, key) for key in values}
 
 
 def decode_delta(tokenizer, context_ids: list[int], new_ids: list[int], final: bool, skip_special_tokens=True,
@@ -207,15 +272,17 @@ def _is_byte_token(token) -> bool:
 
 
 # ---- preprocessing side ---------------------------------------------------------------------------------
-def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat: bool = False, max_bytes: int | None = None) -> list[int]:
     """Token ids as the text model's engine computes them. chat: render the tokenizer's chat template, text being
-    a JSON list of {"role", "content"} messages or else one user message."""
+    a JSON list of {"role", "content"} messages or else one user message. A text longer than max_bytes
+    (max_prompt_bytes) is rejected untokenized."""
     if not chat:
-        return encode_prompt_text(tokenizer, text)
+        return encode_prompt_text(tokenizer, text, max_bytes)
     if tokenizer.chat_template is None:
         raise ValueError("apply_chat_template: the tokenizer has no chat template")
     messages = _messages(text)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    check_prompt_bytes(rendered, max_bytes)
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 

@@ -30,6 +30,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve.cache import build_once, default_cache_dir
+from nanoserve.tiny_model import build_tiny_model
+
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
@@ -221,16 +224,19 @@ class TritonServer:
         """Until the server (and each named model) reports ready; raises with the log's tail when tritonserver
         exits or the timeout passes."""
         deadline = time.monotonic() + timeout
-        paths = ["/v2/health/ready"] + [f"/v2/models/{name}/ready" for name in models]
         while True:
             if self.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.poll()} before it was ready"
                                    f"{self._log_excerpt()}")
-            if all(self._http_ok(path) for path in paths):
+            if self.is_ready(models):
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_excerpt()}")
             time.sleep(0.2)
+
+    def is_ready(self, models=()) -> bool:
+        paths = ["/v2/health/ready"] + [f"/v2/models/{name}/ready" for name in models]
+        return all(self._http_ok(path) for path in paths)
 
     def _http_ok(self, path: str) -> bool:
         try:
@@ -314,6 +320,30 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
 
 
+class SignalWatcher:
+    """Within `with`, SIGINT and SIGTERM are recorded (in `received`) instead of ending this process."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self._previous: dict = {}
+
+    def __enter__(self) -> "SignalWatcher":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, lambda signum, _frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def exit_code(code: int | None, received: list[int]) -> int:
+    """A stopped server's exit code for this process: the shell's 128 + N for a signal."""
+    if code is None:  # the signal came before the server started
+        return 128 + received[0]
+    return code if code >= 0 else 128 - code
+
+
 @atexit.register
 def _stop_live_servers() -> None:
     for server in list(_live_servers):
@@ -327,32 +357,15 @@ def repo_root() -> Path | None:
     return root if (root / "model_repository").is_dir() else None
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("NANOSERVE_CACHE", Path.home() / ".cache" / "nanoserve"))
-
-
 def tiny_model(cache_dir=None) -> Path:
-    """The default demo checkpoint, built once (random weights, local tokenizer) under cache_dir."""
-    out = Path(cache_dir or default_cache_dir()) / "tiny-qwen3"
-    if (out / "config.json").is_file():
-        return out
-    from nanoserve.tiny_model import build_tiny_model
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=".tiny-qwen3-", dir=out.parent))
-    build_tiny_model(str(building))
-    try:
-        os.replace(building, out)  # atomic; when a concurrent builder got there first, keep its copy
-    except OSError:
-        shutil.rmtree(building, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
-    return out
+    """The default test checkpoint, built once (random weights, local tokenizer) under cache_dir."""
+    return build_once(Path(cache_dir or default_cache_dir()) / "tiny-qwen3", lambda out: build_tiny_model(str(out)))
 
 
-def make_model_repository(dest, checkpoint, models=None, template=None, **engine_args) -> Path:
+def make_model_repository(dest, checkpoint, models=None, template=None, rename=None, **engine_args) -> Path:
     """Copy the model repository template (default: the repo's model_repository/; only `models` if given) to
-    dest, and point every model.json at checkpoint (absolute paths), with engine_args merged in."""
+    dest, each model under the name `rename` gives it (if any), and point every model.json at checkpoint
+    (absolute paths), with engine_args merged in."""
     from nanoserve.serving.model_json import PATH_ARGS
 
     template = Path(template) if template else (repo_root() or Path("/nonexistent")) / "model_repository"
@@ -360,7 +373,7 @@ def make_model_repository(dest, checkpoint, models=None, template=None, **engine
         raise FileNotFoundError(f"model repository template {template} not found (needs a source checkout)")
     dest = Path(dest)
     for model in models or [p.name for p in template.iterdir() if p.is_dir()]:
-        shutil.copytree(template / model, dest / model, dirs_exist_ok=True)
+        shutil.copytree(template / model, dest / (rename or {}).get(model, model), dirs_exist_ok=True)
     checkpoint = str(Path(checkpoint).resolve())
     for model_json in dest.glob("*/*/model.json"):
         args = json.loads(model_json.read_text())

@@ -3,16 +3,70 @@
     {"model": "../../tiny-qwen3", "max_model_len": 2048}
 
 Relative "model" and "tokenizer" paths resolve against the model directory (the folder holding config.pbtxt).
+
+A vllm_backend model.json loads too: vLLM's names for nanoserve's engine arguments are renamed (`block_size` ->
+`kvcache_block_size`), vLLM's other engine arguments are ignored with one warning naming them, and a name that
+neither engine knows stays an error (EngineConfig's).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 
+from nanoserve.config import EngineConfig
+from nanoserve.models.gguf import as_checkpoint_dir
+from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
+
+logger = logging.getLogger(__name__)
 PATH_ARGS = ("model", "tokenizer")
+RENAMED_VLLM_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+# Read by the backend, not the engine: true switches the vllm:* metrics off, as in vllm_backend.
+SERVING_ARGS = ("disable_log_stats",)
 
 
 def load_engine_args(model_dir: str, version: str = "1") -> dict:
+    """The engine arguments of model.json, in nanoserve's names (see engine_args_of)."""
+    return engine_args_of(read_model_json(model_dir, version))
+
+
+def engine_args_of(model_json: dict) -> dict:
+    """model.json's keys as `EngineConfig.from_kwargs` takes them: vLLM's names renamed, vLLM's engine arguments
+    that nanoserve has no use for dropped with a warning, the serving arguments dropped, unknown names kept (the
+    engine's own check names them)."""
+    own = {field.name for field in EngineConfig.engine_args()} | {"model"}
+    args, ignored = {}, []
+    for name, value in model_json.items():
+        new_name = RENAMED_VLLM_ARGS.get(name, name)
+        if new_name != name and new_name in model_json:
+            raise ValueError(f"{name}: vLLM's name for {new_name}, which model.json gives too")
+        if new_name in own or not _is_vllm_arg(name):
+            args[new_name] = value
+        elif name not in SERVING_ARGS:
+            ignored.append(name)
+    if ignored:
+        logger.warning("model.json: vLLM engine arguments that do not apply to nanoserve, ignored: %s",
+                       ", ".join(sorted(ignored)))
+    return args
+
+
+def _is_vllm_arg(name: str) -> bool:
+    return name in VLLM_ENGINE_ARGS or name in OLDER_VLLM_ENGINE_ARGS
+
+
+def reports_vllm_metrics(report_custom_metrics: str, model_json: dict) -> bool:
+    """vllm_backend's switch for the vllm:* metrics: config.pbtxt parameter REPORT_CUSTOM_METRICS "true" (absent:
+    off), unless model.json's disable_log_stats is true."""
+    return is_true(report_custom_metrics) and not is_true(model_json.get("disable_log_stats", False))
+
+
+def is_true(value) -> bool:
+    """A boolean as config.pbtxt parameters and model.json give it: true, "true" (any case) or "1"."""
+    return str(value).strip().lower() in ("true", "1")
+
+
+def read_model_json(model_dir: str, version: str = "1") -> dict:
+    """model.json as written, with its relative paths resolved."""
     path = os.path.join(model_dir, str(version), "model.json")
     try:
         with open(path) as f:
@@ -30,9 +84,29 @@ def load_engine_args(model_dir: str, version: str = "1") -> dict:
 
 
 def tokenizer_dir(model_dir: str, version: str = "1") -> str:
-    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it)."""
+    """The tokenizer the engine model at model_dir uses (pre/postprocessing of the ensemble share it). A path
+    that does not exist is an error naming model.json's field: transformers would take it for a Hub repo id."""
+    args = read_model_json(model_dir, version)
+    name = "tokenizer" if args.get("tokenizer") else "model"
+    path = args[name]
+    if not os.path.exists(path):
+        model_json = os.path.join(model_dir, str(version), "model.json")
+        raise ValueError(f"{name}: {path} does not exist (set \"{name}\" in {model_json} to a checkpoint directory)")
+    return as_checkpoint_dir(path)
+
+
+def max_model_len_bound(model_dir: str, version: str = "1") -> int | None:
+    """An upper bound of the max_model_len the engine model at model_dir runs with, without loading it: model.json's
+    max_model_len, else the checkpoint's max_position_embeddings (the engine takes at most that); None if unknown."""
     args = load_engine_args(model_dir, version)
-    return args.get("tokenizer") or args["model"]
+    if isinstance(args.get("max_model_len"), int):
+        return args["max_model_len"]
+    try:
+        with open(os.path.join(args["model"], "config.json")) as f:
+            limit = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return limit if isinstance(limit, int) else None
 
 
 def instance_device(engine_args: dict, instance_kind: str, device_id: str | int) -> dict:

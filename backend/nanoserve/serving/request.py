@@ -5,14 +5,13 @@ ValueError whose message starts with the offending field, e.g. "top_p: must be i
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # return_<name> flags and the optional outputs they switch on
 OPTIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens")
@@ -27,6 +26,10 @@ SCALAR_INPUTS = {
     "seed": ("TYPE_UINT64", "seed"),
 }
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
+# Size bounds, checked before anything is decoded or parsed. The text prompt's bound depends on the tokenizer
+# and max_model_len: the engine thread checks it before tokenizing (engine/tokenize.py).
+MAX_JSON_BYTES = 1 << 20  # sampling_parameters, and the request parameters
+MAX_STOP_WORD_BYTES = 4 * MAX_STOP_STRING_CHARS  # a stop_words element (UTF-8: at most 4 bytes per character)
 
 
 def _io(name, data_type, dims, optional=True):
@@ -73,21 +76,22 @@ class ParsedRequest:
 Getter = Callable[[str], "np.ndarray | None"]
 
 
-def parse_request(get: Getter, parameters: str = "", tokens: bool = False) -> ParsedRequest:
+def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
+                  max_model_len: int | None = None) -> ParsedRequest:
     """One request's inputs -> ParsedRequest. `parameters` is the Triton request parameters JSON (HTTP
-    "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor."""
-    prompt = _token_prompt(get) if tokens else parse_text_prompt(get)
+    "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor.
+    max_model_len bounds input_ids before they are read."""
+    prompt = _token_prompt(get, max_model_len) if tokens else parse_text_prompt(get)
     tensor = get("sampling_parameters")
     if tensor is None:
         values = _request_parameters(parameters)
         flag_values = {name: values.pop(name) for name in FLAG_INPUTS if name in values}  # may come this way too
     else:
-        values, flag_values = _json_object("sampling_parameters", _single("sampling_parameters", tensor)), {}
+        values, flag_values = json_object("sampling_parameters", single("sampling_parameters", tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
     params = _sampling_params({**values, **_scalar_tensors(get)})
+    # return_logprobs without a `logprobs` sampling parameter returns null, as vllm_backend does
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
-    if "logprobs" in outputs and params.logprobs is None:
-        params = dataclasses.replace(params, logprobs=0)  # the sampled token's own logprob
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
 
 
@@ -105,44 +109,54 @@ def _sampling_params(values: dict) -> SamplingParams:
         raise ValueError("sampling_parameters: nested too deeply") from None
 
 
+def name_prompt_input(message: str, input_name: str) -> str:
+    """The engine's errors about the prompt start with "prompt:"; a client knows it as the input it sent."""
+    return input_name + message[len("prompt"):] if message.startswith("prompt:") else message
+
+
 def parse_text_prompt(get: Getter) -> str:
-    value = _utf8("text_input", _single("text_input", _required(get, "text_input")))
+    value = utf8("text_input", single("text_input", required(get, "text_input")))
     if not value:
         raise ValueError("text_input: empty prompt")
     return value
 
 
-def _token_prompt(get: Getter) -> list[int]:
-    array = _required(get, "input_ids")
+def _token_prompt(get: Getter, max_model_len: int | None) -> list[int]:
+    array = required(get, "input_ids")
     if array.dtype.kind not in "iu":
         raise ValueError(f"input_ids: expected integer token ids, got {array.dtype}")
+    if max_model_len is not None and array.size >= max_model_len:
+        raise ValueError(f"input_ids: {array.size} tokens leave no room to generate within max_model_len "
+                         f"({max_model_len})")
     ids = array.reshape(-1).tolist()
     if not ids:
         raise ValueError("input_ids: empty prompt")
     return ids
 
 
-def _required(get: Getter, name: str) -> np.ndarray:
+def required(get: Getter, name: str) -> np.ndarray:
     array = get(name)
     if array is None:
         raise ValueError(f"{name}: missing required input")
     return array
 
 
-def _single(name: str, array: np.ndarray):
+def single(name: str, array: np.ndarray):
     if array.size != 1:
         raise ValueError(f"{name}: expected one element, got shape {list(array.shape)}")
     return array.reshape(-1)[0]
 
 
 def _request_parameters(text: str) -> dict:
-    params = _json_object("parameters", text)
+    params = json_object("parameters", text)
     # Triton adds its own request parameters (e.g. triton_enable_empty_final_response): not sampling ones.
     return {k: v for k, v in params.items() if not k.startswith("triton_")}
 
 
-def _json_object(name: str, text: str | bytes) -> dict:
-    text = _utf8(name, text)
+def json_object(name: str, text: str | bytes) -> dict:
+    if isinstance(text, (str, bytes)) and len(text) > MAX_JSON_BYTES:
+        raise ValueError(f"{name}: {len(text)} bytes, at most {MAX_JSON_BYTES}")
+    text = utf8(name, text)
     try:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
@@ -156,7 +170,7 @@ def _json_object(name: str, text: str | bytes) -> dict:
 
 def _flag(get: Getter, name: str, fallback) -> bool:
     array = get(name)
-    value = fallback if array is None else _single(name, array)
+    value = fallback if array is None else single(name, array)
     if value is None:
         return False
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -172,18 +186,27 @@ def _scalar_tensors(get: Getter) -> dict:
         array = get(name)
         if array is None:
             continue
-        value = _single(name, array)
+        value = single(name, array)
         integer = data_type != "TYPE_FP32"
         if integer and not isinstance(value, np.integer) or not integer and not isinstance(value, np.number):
             raise ValueError(f"{name}: expected {data_type[5:]}, got {np.asarray(value).dtype}")
         values[param] = int(value) if integer else float(value)
     stop_words = get("stop_words")
     if stop_words is not None:
-        values["stop"] = [_utf8("stop_words", w) for w in stop_words.reshape(-1).tolist() if w]
+        values["stop"] = _stop_words(stop_words)
     return values
 
 
-def _utf8(name: str, value) -> str:
+def _stop_words(array: np.ndarray) -> list[str]:
+    if array.size > MAX_STOP_STRINGS:
+        raise ValueError(f"stop_words: at most {MAX_STOP_STRINGS} entries, got {array.size}")
+    words = array.reshape(-1).tolist()
+    if any(isinstance(w, (bytes, str)) and len(w) > MAX_STOP_WORD_BYTES for w in words):
+        raise ValueError(f"stop_words: an entry has at most {MAX_STOP_STRING_CHARS} characters")
+    return [utf8("stop_words", w) for w in words if w]
+
+
+def utf8(name: str, value) -> str:
     if isinstance(value, str):
         return value
     try:

@@ -5,18 +5,20 @@ custom-metric updates). pb_utils is passed in: this module imports nothing from 
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.metrics import PUBLISH_INTERVAL
-from nanoserve.serving.request import ParsedRequest
+from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
+from nanoserve.serving.request import ParsedRequest, name_prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -36,11 +38,13 @@ class Stream:
     text: str = ""  # non-streaming: accumulated output
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
+    logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
     # Cancelled by a CancelById: end with a final response (finish_reason "abort") instead of a CANCELLED error, so
     # that the ensemble ends as usual (an error from a step that is still streaming would keep Triton 2.51's
     # ensemble from ever releasing the request).
     abort_with_final: bool = False
+    triton_request_id: str = ""  # the id the client gave the Triton request, if any (for the log)
 
 
 @dataclass
@@ -82,11 +86,14 @@ class ResponseThread:
     began. With a few streams a flush takes far less than an engine step and every step is sent at once; with
     many, each response carries the steps that came meanwhile. A request's first and last responses are sent
     at once: time to first token and end-to-end latency never wait.
+
+    every_step: vllm_backend's streaming instead: each engine step's output is sent at once, one response per
+    step and request (the formatter then sends held-back text as an empty delta); no merging, no pacing.
     """
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 clock=time.monotonic):
+                 every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -97,7 +104,11 @@ class ResponseThread:
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
         self.cancel_check_interval = cancel_check_interval
         self.send_budget = send_budget
+        self.every_step = every_step
         self.clock = clock
+        self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
+        self._engine_failed = False
+        self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, object] = {}  # request_id -> its merged RequestOutput not sent yet
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -133,6 +144,8 @@ class ResponseThread:
         if steps:
             self._guarded(self._handle_steps, steps)
         self._guarded(self._flush, stopping)
+        self._guarded(self._check_engine)
+        self._guarded(self._check_shutdown)
         self._guarded(self._check_cancelled)
         self._guarded(self._publish_metrics, stopping)
         return stopping
@@ -151,7 +164,7 @@ class ResponseThread:
         elif isinstance(event, CancelById):
             if event.request_id in self.streams:
                 self.streams[event.request_id].abort_with_final = True
-                self._cancel(event.request_id)
+                self._cancel(event.request_id, "was cancelled by a control request")
             event.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
@@ -181,12 +194,17 @@ class ResponseThread:
         for step in steps:
             self._record_timing(step)
             for request_id, message in step.rejected:
-                self._fail(request_id, self._name_field(message), self.pb.TritonError.INVALID_ARG)
+                self._fail(request_id, name_prompt_input(message, self.prompt_field), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
-        merge_into(self.pending, (output for step in steps for output in step.outputs))  # after: it joins them
+        outputs = [output for step in steps for output in step.outputs]
+        if self.every_step:
+            for output in outputs:
+                self._send_output(output)
+        else:
+            merge_into(self.pending, outputs)  # after counting: it joins them
 
     def _flush(self, force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
@@ -212,10 +230,36 @@ class ResponseThread:
             self._fail(output.request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _publish_metrics(self, force: bool = False) -> None:
+        """Every PUBLISH_INTERVAL; a backlog of histogram samples goes a slice per round (responses go out between
+        the slices) until it is gone; force publishes everything."""
         now = self.clock()
         if self.metrics.unpublished and (force or now >= self._next_publish):
-            self.metrics.publish()
-            self._next_publish = now + PUBLISH_INTERVAL
+            self.metrics.publish(None if force else SAMPLES_PER_ROUND)
+            self._next_publish = now if self.metrics.unpublished else now + PUBLISH_INTERVAL
+
+    def _check_engine(self) -> None:
+        """Once the engine has failed, no request in flight can end otherwise: end each with UNAVAILABLE (the
+        checks run every cancel_check_interval while requests are in flight)."""
+        failure = self.engine_thread.failure
+        if failure is None:
+            return
+        if not self._engine_failed:
+            self._engine_failed = True
+            if self.on_engine_failure is not None:
+                self.on_engine_failure(failure)
+        self._end_all(f"the model is unavailable: {failure}")
+
+    def _check_shutdown(self) -> None:
+        """tritonserver is shutting down and its exit timeout is about to cut the requests in flight without a
+        word (serving/shutdown.py): end them with an error their clients see."""
+        deadline = None if self.shutdown_watch is None else self.shutdown_watch.deadline
+        if deadline is not None and self.clock() >= deadline:
+            self._end_all("the server is shutting down: its exit timeout ends this request")
+
+    def _end_all(self, message: str) -> None:
+        for request_id in list(self.streams):
+            self.engine_thread.abort(request_id)  # frees its blocks (a no-op for a failed engine)
+            self._fail(request_id, message, self.pb.TritonError.UNAVAILABLE)
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -229,13 +273,15 @@ class ResponseThread:
         turn, self._cancel_cursor = next_turn(list(self.streams), self._cancel_cursor)
         for request_id in turn:
             if not self.streams[request_id].cancelled and self.streams[request_id].sender.is_cancelled():
-                self._cancel(request_id)
+                self._cancel(request_id, "was cancelled")
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, why: str) -> None:
         """Abort the request in the engine (its KV blocks are freed at once); its "abort" output ends it."""
         stream = self.streams[request_id]
         if not stream.cancelled:
             stream.cancelled = True
+            triton_id = f" (Triton request id {stream.triton_request_id!r})" if stream.triton_request_id else ""
+            logger.info("nanoserve: request %s%s %s; aborting it", request_id, triton_id, why)
             self.engine_thread.abort(request_id)
 
     # ---- one output ---------------------------------------------------------------------------------
@@ -264,6 +310,8 @@ class ResponseThread:
             if stream.first_token is None:
                 stream.first_token = step.time
                 self.metrics.record_first_token(step.time - stream.arrival, output.num_prompt_tokens)
+            else:
+                self.metrics.record_token_gap(step.time - stream.last_token)
             stream.last_token = step.time
 
     def _finish(self, request_id: str, output, arrays: dict) -> None:
@@ -303,9 +351,6 @@ class ResponseThread:
         error = self.pb.TritonError(message, code)
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _name_field(self, message: str) -> str:
-        return self.prompt_field + message[len("prompt"):] if message.startswith("prompt:") else message
-
 
 def next_turn(keys: list, cursor: int, count: int = CANCEL_CHECKS_PER_ROUND) -> tuple[list, int]:
     """Round-robin: up to count keys from position cursor on (wrapping around), and the cursor after them."""
@@ -326,42 +371,93 @@ def merge_into(pending: dict, outputs) -> None:
             output.new_token_ids = earlier.new_token_ids + output.new_token_ids
             output.text_delta = earlier.text_delta + output.text_delta
             output.new_logprobs = earlier.new_logprobs + output.new_logprobs
+            output.new_logprob_ranks = earlier.new_logprob_ranks + output.new_logprob_ranks
         pending[output.request_id] = output
 
 
 # ---- formatters: (stream, RequestOutput) -> arrays -----------------------------------------------------
-def text_arrays(stream: Stream, output) -> dict | None:
+class Generated(NamedTuple):
+    """The tokens one response reports: their ids, and with logprobs each one's {token_id: logprob} (the sampled
+    token and the top ones) and the sampled token's rank."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    ranks: list[int]
+
+
+def text_formatter(tokenizer, every_step: bool = False):
+    """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer.
+    every_step: a streamed step whose text is held back still gets a response (an empty delta)."""
+    token_text = token_decoder(tokenizer)
+    return lambda stream, output: text_arrays(stream, output, token_text, every_step)
+
+
+def token_decoder(tokenizer):
+    """token id -> its text alone, as vLLM's decoded_token (cached: a vocabulary's worth at most)."""
+    @functools.lru_cache(maxsize=None)
+    def token_text(token_id: int) -> str:
+        return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+    return token_text
+
+
+def text_arrays(stream: Stream, output, token_text, every_step: bool = False) -> dict | None:
     """Text model: streaming sends deltas (never the prompt); otherwise one response when finished."""
     request = stream.request
     if request.stream:
         token_level = output.new_token_ids and request.outputs & TOKEN_LEVEL_OUTPUTS
-        if not (output.text_delta or output.finished or token_level):
+        if not (output.text_delta or output.finished or token_level or every_step):
             return None  # text held back (an incomplete character or a possible stop string)
+        generated = Generated(output.new_token_ids, output.new_logprobs, output.new_logprob_ranks)
         return {"text_output": string_array(output.text_delta),
-                **optional_arrays(request, output, output.new_logprobs, len(output.new_token_ids))}
+                **optional_arrays(request, output, generated, token_text)}
     stream.text += output.text_delta
-    stream.logprobs += output.new_logprobs
-    if not output.finished:
+    if not accumulate(stream, output):
         return None
     text = stream.text if request.exclude_input else request.prompt + stream.text
-    return {"text_output": string_array(text),
-            **optional_arrays(request, output, stream.logprobs, output.num_output_tokens)}
+    generated = Generated(stream.token_ids + output.new_token_ids, stream.logprobs, stream.logprob_ranks)
+    return {"text_output": string_array(text), **optional_arrays(request, output, generated, token_text)}
 
 
-def optional_arrays(request: ParsedRequest, output, logprobs: list, num_output_tokens: int) -> dict:
+def accumulate(stream: Stream, output) -> bool:
+    """A non-streamed request: keep the output's logprobs; True when it is the last one."""
+    stream.logprobs += output.new_logprobs
+    stream.logprob_ranks += output.new_logprob_ranks
+    return output.finished
+
+
+def optional_arrays(request: ParsedRequest, output, generated: Generated, token_text) -> dict:
+    """The outputs the request asked for with return_* flags, in vllm_backend's formats."""
     arrays = {}
     if "finish_reason" in request.outputs:
-        arrays["finish_reason"] = string_array(output.finish_reason or "")
+        arrays["finish_reason"] = string_array(finish_reason_text(output))
     if "cumulative_logprob" in request.outputs:
         arrays["cumulative_logprob"] = np.array([output.cumulative_logprob], dtype=np.float32)
     if "logprobs" in request.outputs:
-        per_token = [{str(token): logprob for token, logprob in entry.items()} for entry in logprobs]
+        top_n = request.sampling_params.logprobs
+        per_token = None if top_n is None else vllm_logprobs(generated, top_n, token_text)
         arrays["logprobs"] = string_array(json.dumps(per_token))
     if "num_input_tokens" in request.outputs:
         arrays["num_input_tokens"] = np.array([output.num_prompt_tokens], dtype=np.uint32)
     if "num_output_tokens" in request.outputs:
-        arrays["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+        arrays["num_output_tokens"] = np.array([len(generated.token_ids)], dtype=np.uint32)
     return arrays
+
+
+def finish_reason_text(output) -> str:
+    """"stop", "length" or "abort" on the last response; "None" before it, as vllm_backend sends."""
+    return str(output.finish_reason) if output.finished else "None"
+
+
+def vllm_logprobs(generated: Generated, top_n: int, token_text) -> list[dict]:
+    """vllm_backend's `logprobs`: per token {token_id: {"logprob", "rank", "decoded_token"}}, the sampled token
+    first, then the top_n most likely ones by rank (the sampled one among them keeps its place first)."""
+    per_token = []
+    for token_id, entry, rank in zip(*generated):
+        top = sorted(entry, key=entry.__getitem__, reverse=True)[:top_n]
+        ranks = {t: i for i, t in enumerate(top, 1)}
+        ranks.setdefault(token_id, rank)
+        per_token.append({str(t): {"logprob": entry[t], "rank": ranks[t], "decoded_token": token_text(t)}
+                          for t in [token_id, *top]})
+    return per_token
 
 
 def string_array(text: str) -> np.ndarray:

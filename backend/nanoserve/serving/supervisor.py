@@ -1,4 +1,4 @@
-"""`nanoserve serve`: run tritonserver until SIGINT/SIGTERM, and restart it when a Python backend stub dies.
+"""`nanoserve serve` restarts tritonserver when a Python backend stub dies.
 
 tritonserver 2.51 does not notice a dead stub (SIGKILL, the OOM killer, a crash): the model stays ready, each new
 request fails with "Stub process '<instance>' is not healthy.", and the requests in flight never get a final
@@ -9,12 +9,12 @@ tritonserver does help: the clients of the old one see their connection close (a
 models serve again once loaded.
 
 A stub that exits is a zombie until its parent reaps it. tritonserver reaps the stubs it stops itself (an unload,
-a failed load) at once, so a stub that stays a zombie died on its own.
+a failed load) at once, so a stub that stays a zombie died on its own. A zombie has no command line, but keeps its
+name (/proc/PID/comm): that tells a stub, whether or not it was seen alive.
 """
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -48,7 +48,7 @@ class StubWatch:
     def __init__(self, pgid: int, clock=time.monotonic):
         self.pgid = pgid
         self.clock = clock
-        self.instances: dict[int, str] = {}  # live stub pid -> model instance (a zombie has no command line)
+        self.instances: dict[int, str] = {}  # pid -> the model instance of a stub seen alive ("" for others)
         self.zombie_since: dict[int, float] = {}
 
     def dead(self) -> list[DeadStub]:
@@ -59,9 +59,17 @@ class StubWatch:
             if state != "Z":
                 if not self.instances.get(pid):  # read again until the process has exec'd the stub
                     self.instances[pid] = stub_instance(pid)
-            elif self.instances.get(pid) and now - self.zombie_since.setdefault(pid, now) >= ZOMBIE_GRACE:
-                found.append(DeadStub(pid, self.instances[pid], wait_status(pid)))
+            elif is_stub(pid) and now - self.zombie_since.setdefault(pid, now) >= ZOMBIE_GRACE:
+                found.append(DeadStub(pid, self.instances.get(pid) or "an unknown model instance", wait_status(pid)))
         return found
+
+
+def is_stub(pid: int) -> bool:
+    """Whether a process (a zombie too) is a Python backend stub: its name, which the kernel cuts to 15 bytes."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().rstrip("\n") == STUB_NAME[:15]
+    except OSError:
+        return False
 
 
 def stub_instance(pid: int) -> str:
@@ -81,47 +89,39 @@ def wait_status(pid: int) -> int:
         return 0
 
 
-def serve_until_signal(server: TritonServer) -> int:
-    """Start the server and run until it exits or SIGINT/SIGTERM arrives (forwarded, then the server stopped);
-    restart it when a stub dies (at most MAX_RESTARTS times within RESTART_WINDOW, then exit code 1)."""
-    received: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        if server.process is None and not received:
-            server.start()
-        if not _supervise(server, received):
-            server.stop(signal.SIGTERM, timeout=RESTART_GRACE)
-            return 1
-        code = server.stop(received[0] if received else signal.SIGTERM)
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    if code is None:  # the signal came before the server started
-        return 128 + received[0]
-    return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+class Supervisor:
+    """Restarts a running tritonserver whose stub died, at most MAX_RESTARTS times within RESTART_WINDOW. Made once
+    the models are ready, before clients are told to come: it reads which stub serves which model instance then."""
 
+    def __init__(self, server: TritonServer):
+        self.server = server
+        self.watch = StubWatch(server.process.pid)
+        self.watch.dead()
+        self.restarts: list[float] = []
 
-def _supervise(server: TritonServer, received: list[int]) -> bool:
-    """Until the server exits or a signal came (True), or stubs died too often (False)."""
-    restarts: list[float] = []
-    watch, next_check = StubWatch(server.process.pid), time.monotonic() + CHECK_INTERVAL
-    while server.poll() is None and not received:
-        time.sleep(0.2)
-        if time.monotonic() < next_check:
-            continue
+    def run(self, received: list[int]) -> bool:
+        """Until the server exits or a signal came (True), or stubs died too often (False)."""
         next_check = time.monotonic() + CHECK_INTERVAL
-        dead = watch.dead()
-        if not dead:
-            continue
-        restarts = [t for t in restarts if time.monotonic() - t < RESTART_WINDOW] + [time.monotonic()]
-        if len(restarts) > MAX_RESTARTS:
-            _say(f"{dead[0]}: {len(restarts)} stub deaths within {RESTART_WINDOW:.0f} s; stopping")
+        while self.server.poll() is None and not received:
+            time.sleep(0.2)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + CHECK_INTERVAL
+                dead = self.watch.dead()
+                if dead and not self._restart(dead):
+                    return False
+        return True
+
+    def _restart(self, dead: list[DeadStub]) -> bool:
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
+        what = "; ".join(map(str, dead))
+        if len(self.restarts) > MAX_RESTARTS:
+            _say(f"{what}: {len(self.restarts)} stub deaths within {RESTART_WINDOW:.0f} s; stopping")
             return False
-        _say(f"{dead[0]}; restarting tritonserver")
-        server.restart(RESTART_GRACE)
-        watch = StubWatch(server.process.pid)
-    return True
+        _say(f"{what}; restarting tritonserver")
+        self.server.restart(RESTART_GRACE)
+        self.watch = StubWatch(self.server.process.pid)
+        return True
 
 
 def _say(message: str) -> None:

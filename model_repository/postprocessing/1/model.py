@@ -1,17 +1,18 @@
 """Ensemble step 3: output_ids + context_ids -> text_output, statelessly (nanoserve/serving/ensemble.py); and the
 ensemble's cancellation: Triton's ensemble scheduler marks this step's request cancelled once the client cancelled
 but never tells the engine model, whose request is already running, so this model does (CancelChecks)."""
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import CANCEL_PARAMETER, CancelChecks, decode_delta, engine_model, engine_tokenizer
+from nanoserve.serving.ensemble import (CANCEL_PARAMETER, CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
+                                        engine_model, engine_tokenizer, is_final)
+from nanoserve.serving.model_json import max_model_len_bound
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.tokenizer = engine_tokenizer(args)
+        self.max_ids = max_model_len_bound(engine_dir(args))  # no response carries more ids than that
         self.engine_model = engine_model(args)
         self.cancel_checks = CancelChecks()
 
@@ -19,30 +20,27 @@ class TritonPythonModel:
         return [self._detokenize(request) for request in requests]
 
     def _detokenize(self, request):
-        new_ids = _input(request, "output_ids").reshape(-1).tolist()
-        context_ids = _input(request, "context_ids").reshape(-1).tolist()
-        finish_reason = _input(request, "finish_reason")
-        final = bool(finish_reason.reshape(-1)[0])
-        params = _input(request, "detokenize_params")  # skip_special_tokens, stop, include_stop_str_in_output
-        params = {} if params is None else json.loads(params.reshape(-1)[0])
         try:
-            self._pass_on_cancel(request, final)
+            inputs = DetokenizeRequest.parse(lambda name: _as_numpy(request, name), self.max_ids)
+        except ValueError as e:  # called directly with junk: name the input, never a raw Python exception
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+        final = is_final(inputs.finish_reason)
+        try:
+            self._pass_on_cancel(request, inputs.request_id, final)
         except Exception as e:  # not this response's error: one would keep the ensemble from releasing the request
             pb_utils.Logger.log_error(f"postprocessing: passing a cancel on failed: {e!r}")
-        text = decode_delta(self.tokenizer, context_ids, new_ids, final=final, **params)
+        text = decode_delta(self.tokenizer, inputs.context_ids, inputs.new_ids, final=final, **inputs.params)
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", finish_reason),
+            pb_utils.Tensor("finish_reason", np.array([inputs.finish_reason.encode()], dtype=np.object_)),
         ])
 
-    def _pass_on_cancel(self, request, final: bool) -> None:
+    def _pass_on_cancel(self, request, request_id: str | None, final: bool) -> None:
         """A response of a stream whose client cancelled: abort its request in the engine model (a control request
         with its id). The response itself goes out as usual; the engine's request then ends with finish_reason
         "abort" (an error here would keep Triton 2.51's ensemble from ever releasing the request)."""
-        request_id = _input(request, "request_id")
         if request_id is None:
             return
-        request_id = request_id.reshape(-1)[0].decode()
         if not self.cancel_checks.due(request_id, final) or not request.is_cancelled():
             return
         self.cancel_checks.cancelled(request_id)
@@ -54,6 +52,6 @@ class TritonPythonModel:
                 pb_utils.Logger.log_warn(f"postprocessing: cancelling {request_id}: {response.error().message()}")
 
 
-def _input(request, name):
+def _as_numpy(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()

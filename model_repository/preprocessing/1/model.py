@@ -2,13 +2,14 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import encode_prompt, engine_tokenizer
-from nanoserve.serving.request import parse_text_prompt
+from nanoserve.serving.ensemble import encode_prompt, engine_max_prompt_bytes, engine_tokenizer
+from nanoserve.serving.request import name_prompt_input, parse_text_prompt
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.tokenizer = engine_tokenizer(args)
+        self.max_prompt_bytes = engine_max_prompt_bytes(args, self.tokenizer)  # longer texts cannot fit
 
     def execute(self, requests):
         return [self._tokenize(request) for request in requests]
@@ -17,9 +18,11 @@ class TritonPythonModel:
         try:
             text = parse_text_prompt(lambda name: _as_numpy(request, name))
             chat = _as_numpy(request, "apply_chat_template")
-            ids = encode_prompt(self.tokenizer, text, chat=chat is not None and bool(chat.reshape(-1)[0]))
+            ids = encode_prompt(self.tokenizer, text, chat=chat is not None and bool(chat.reshape(-1)[0]),
+                                max_bytes=self.max_prompt_bytes)
         except ValueError as e:
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
+            message = name_prompt_input(str(e), "text_input")
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
         return pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", np.array(ids, dtype=np.int32))])
 
 

@@ -1,0 +1,102 @@
+"""One request to a text model over gRPC streaming (tritonclient.grpc.aio), with vllm_backend's tensors, and
+its responses as Chunks. Every output tensor holds one entry per sequence of the request (n of them)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+from nanoserve.serving.openai_api.errors import APIError
+
+
+@dataclass
+class Chunk:
+    """One Triton response: per sequence index, the text delta, finish reason (None until it ends), tokens
+    and their logprobs (vllm_backend's format; None when not asked). `final`: every sequence has ended."""
+    texts: list[str]
+    finish_reasons: list[str | None] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    logprobs: list[list[dict] | None] = field(default_factory=list)
+    num_input_tokens: int | None = None
+    final: bool = False
+
+
+def request_inputs(prompt: str, sampling_parameters: dict, stream: bool, logprobs: bool) -> list:
+    """The tensors any vllm_backend client sends: the prompt, the sampling_parameters JSON and the flags."""
+    def tensor(name: str, value, datatype: str):
+        array = np.array([value], dtype=np.object_ if datatype == "BYTES" else bool)
+        infer_input = grpcclient.InferInput(name, [1], datatype)
+        infer_input.set_data_from_numpy(array)
+        return infer_input
+
+    flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
+             "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs}
+    return [tensor("text_input", prompt.encode(), "BYTES"),
+            tensor("sampling_parameters", json.dumps(sampling_parameters).encode(), "BYTES"),
+            *(tensor(name, value, "BOOL") for name, value in flags.items())]
+
+
+def parse_response(result) -> Chunk:
+    def strings(name: str) -> list[str]:
+        array = result.as_numpy(name)
+        return [] if array is None else [v.decode() if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
+
+    def numbers(name: str) -> list[int]:
+        array = result.as_numpy(name)
+        return [] if array is None else [int(v) for v in array.reshape(-1)]
+
+    reasons = [None if reason in ("", "None") else reason for reason in strings("finish_reason")]
+    logprobs = [json.loads(entry) for entry in strings("logprobs")]
+    num_input = numbers("num_input_tokens")
+    final = bool(reasons) and all(reason is not None for reason in reasons)
+    return Chunk(strings("text_output"), reasons, numbers("num_output_tokens"), logprobs,
+                 num_input[0] if num_input else None, final)
+
+
+async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
+                   request_id: str) -> AsyncIterator[Chunk]:
+    """The request's responses until its last one: the one where every sequence has its finish reason (the
+    flags-only FINAL that may follow is not asked for: tritonclient 2.69 and newer refuse the parameter that asks
+    for it). Leaving before the last response (the HTTP client went away: the consumer is cancelled or closes
+    this generator) cancels the gRPC call, and with it the request in the engine."""
+    async def requests():
+        yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+    responses = client.stream_infer(requests())
+    ended = False  # the request's last response came: tritonserver then ends the stream itself
+    try:
+        async for result, error in responses:
+            if error is not None:
+                ended = True
+                raise triton_error(error.message())
+            chunk = parse_response(result)
+            ended = chunk.final
+            yield chunk
+            if ended:
+                return
+    finally:
+        if not ended:  # cancelling a stream that has ended can leave tritonserver holding the model at shutdown
+            responses.cancel()
+
+
+# the model unloading or gone, its engine failed (backend/model.py), the server shutting down (serving/shutdown.py)
+UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
+                       "the server is shutting down")
+
+
+def triton_error(message: str) -> APIError:
+    """A Triton error as an HTTP error. gRPC streams carry no status code: nanoserve's bad-input errors
+    (INVALID_ARG) start with the field they are about, its own failures with "internal error"."""
+    if message.startswith("internal error") or "Traceback" in message:
+        return APIError(500, message)
+    if any(marker in message for marker in UNAVAILABLE_MARKERS):
+        return APIError(503, message)
+    if "unknown model" in message or "is not found" in message:
+        return APIError(404, message, "model", "model_not_found")
+    field, _, _ = message.partition(":")
+    param = {"text_input": "prompt"}.get(field, field) if field.isidentifier() else None
+    return APIError(400, message, param)

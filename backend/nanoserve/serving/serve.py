@@ -1,0 +1,211 @@
+"""`nanoserve serve`: check the configuration, write a model repository for MODEL (or take --model-repository),
+run tritonserver, and once its models are ready start the OpenAI-compatible API and print where everything is.
+
+    nanoserve serve CHECKPOINT_DIR_OR_GGUF [--max-model-len N ...] [--served-model-name NAME] [--ensemble]
+    nanoserve serve --model-repository DIR
+
+A configuration mistake is one line on stderr and exit code 2, before tritonserver starts; a model that fails
+to load is one line (its error, from tritonserver's log) and exit code 1.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanoserve.config import EngineConfig
+from nanoserve.serving import launcher, preflight, supervisor, triton_log
+from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
+from nanoserve.serving.preflight import ConfigError
+
+ENSEMBLE_MODELS = ["nanoserve_tokens", "preprocessing", "postprocessing", "ensemble"]
+DEFAULT_OPENAI_PORT = 9000
+
+
+@dataclass
+class Plan:
+    """What to serve: a model repository, the models to wait for, and what the banner says about them."""
+    repository: Path
+    models: list[str]
+    description: str
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", metavar="MODEL",
+                        help="a Hugging Face checkpoint directory or a .gguf file (or give --model-repository)")
+    parser.add_argument("--model-repository", metavar="DIR", help="serve this Triton model repository as it is")
+    parser.add_argument("--served-model-name", default="nanoserve", metavar="NAME",
+                        help="the model's name in Triton and in the OpenAI API")
+    parser.add_argument("--ensemble", action="store_true",
+                        help="also serve the tokenizer -> engine -> detokenizer ensemble (a second engine)")
+    parser.add_argument("--report-custom-metrics", action="store_true",
+                        help="also publish the metrics under vLLM's names (vllm:*), as vllm_backend's "
+                             "REPORT_CUSTOM_METRICS parameter does")
+    parser.add_argument("--host", default="127.0.0.1", metavar="ADDRESS", help="address every port binds")
+    parser.add_argument("--http-port", type=int, default=8000, metavar="PORT", help="Triton's HTTP/REST port")
+    parser.add_argument("--grpc-port", type=int, default=8001, metavar="PORT", help="Triton's gRPC port")
+    parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT", help="Triton's Prometheus metrics port")
+    parser.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT, metavar="PORT",
+                        help="the OpenAI-compatible API's port (0: no OpenAI API)")
+    parser.add_argument("--log-file", metavar="FILE", help="tritonserver's log ('-': this terminal) "
+                                           "(default: tritonserver-HTTP_PORT.log in ~/.cache/nanoserve/serve, "
+                                           "or in $NANOSERVE_CACHE/serve)")
+    parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL", help="tritonserver's --log-verbose level")
+    parser.add_argument("--exit-timeout-secs", type=int, default=10, metavar="SECONDS",
+                        help="on SIGTERM, how long in-flight requests may finish before they are cut off")
+    parser.add_argument("--disable-auto-complete-config", action="store_true",
+                        help="tritonserver's --disable-auto-complete-config")
+    add_engine_flags(parser)
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="nanoserve-serve-") as work_dir:
+        try:
+            plan = prepare(args, Path(work_dir))
+        except ConfigError as e:
+            print(f"nanoserve serve: error: {e}", file=sys.stderr)
+            return 2
+        return serve(args, plan, extra)
+
+
+# ---- before tritonserver starts -------------------------------------------------------------------------
+def prepare(args: argparse.Namespace, work_dir: Path) -> Plan:
+    ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
+    if args.openai_port:
+        ports["--openai-port"] = args.openai_port
+    preflight.check_ports(args.host, ports)
+    if args.model_repository:
+        return _existing_repository(args)
+    if not args.model:
+        raise ConfigError("MODEL: give a checkpoint directory or a .gguf file, or --model-repository DIR")
+    return _write_repository(args, work_dir / "model_repository")
+
+
+def _existing_repository(args: argparse.Namespace) -> Plan:
+    if args.model:
+        raise ConfigError(f"MODEL: {args.model} and --model-repository exclude each other")
+    given = [name for name, value in vars(args).items() if name in _engine_dests() and value is not None]
+    if given or args.ensemble or args.report_custom_metrics or args.served_model_name != "nanoserve":
+        raise ConfigError("--model-repository: engine arguments, --served-model-name, --ensemble and "
+                          "--report-custom-metrics are for MODEL; a repository sets them in its model.json, "
+                          "config.pbtxt and folders")
+    repository = Path(args.model_repository).resolve()
+    preflight.check_repository(repository)
+    return Plan(repository, [], f"model repository {repository}")
+
+
+def _engine_dests() -> set[str]:
+    return {field.name for field in EngineConfig.engine_args()}
+
+
+def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
+    name = args.served_model_name
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in ENSEMBLE_MODELS:
+        raise ConfigError(f"--served-model-name: {name!r} must be letters, digits, '_', '.' or '-' and not one "
+                          f"of the ensemble's models ({', '.join(ENSEMBLE_MODELS)})")
+    checkpoint = preflight.resolve_checkpoint(args.model)
+    try:
+        engine_args = given_engine_args(args)
+    except ValueError as e:
+        raise ConfigError(preflight.one_line(e)) from None
+    preflight.check_engine_args(checkpoint, engine_args)
+    extra_models = ENSEMBLE_MODELS if args.ensemble else []
+    try:
+        launcher.make_model_repository(dest, checkpoint, models=["nanoserve", *extra_models],
+                                       rename={"nanoserve": name}, **engine_args)
+    except FileNotFoundError as e:  # no model_repository/ template: not a source checkout
+        raise ConfigError(preflight.one_line(e)) from None
+    if args.report_custom_metrics:
+        for model in [name, *(["nanoserve_tokens"] if args.ensemble else [])]:
+            with open(dest / model / "config.pbtxt", "a") as config:
+                config.write('parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n')
+    return Plan(dest, [name, *(["ensemble"] if args.ensemble else [])], f"{args.model}")
+
+
+# ---- tritonserver and the OpenAI API --------------------------------------------------------------------
+def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
+    log_file = _log_file(args)
+    server = launcher.TritonServer(plan.repository, args.http_port, args.grpc_port, args.metrics_port,
+                                   host=args.host, log_verbose=args.log_verbose,
+                                   exit_timeout_secs=args.exit_timeout_secs,
+                                   disable_auto_complete_config=args.disable_auto_complete_config,
+                                   extra_args=extra, log_file=log_file)
+    with launcher.SignalWatcher() as signals:
+        print(f"nanoserve: loading {plan.description} (tritonserver log: {log_file or 'below'})", file=sys.stderr,
+              flush=True)
+        server.start()
+        if not _wait_ready(server, plan.models, signals.received):
+            return _stopped(server, signals.received)
+        try:
+            api = _start_openai_api(args, server, plan)
+        except RuntimeError as e:
+            server.stop()
+            print(f"nanoserve serve: error: --openai-port: {e}", file=sys.stderr)
+            return 1
+        supervision = supervisor.Supervisor(server)
+        _banner(args, server, plan, api, log_file)
+        healthy = supervision.run(signals.received)
+        if api is not None:
+            api.stop()
+        if not healthy:  # stubs died too often: the orchestrator's turn
+            server.stop(signal.SIGTERM, timeout=supervisor.RESTART_GRACE)
+            return 1
+        code = server.stop(signals.received[0] if signals.received else signal.SIGTERM)
+    return launcher.exit_code(code, signals.received)
+
+
+def _log_file(args: argparse.Namespace) -> Path | None:
+    if args.log_file == "-":
+        return None
+    if args.log_file:
+        return Path(args.log_file)
+    return launcher.default_cache_dir() / "serve" / f"tritonserver-{args.http_port}.log"
+
+
+def _wait_ready(server: launcher.TritonServer, models: list[str], received: list[int]) -> bool:
+    """Until the models are ready (True), or tritonserver exited or a signal came (False)."""
+    while not received:
+        if server.poll() is not None:
+            return False
+        if server.is_ready(models):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _stopped(server: launcher.TritonServer, received: list[int]) -> int:
+    """Triton ended (or was stopped) before its models were ready: say why in one line."""
+    code = server.stop(received[0] if received else signal.SIGTERM)
+    if received:
+        return launcher.exit_code(code, received)
+    reason = triton_log.failure(server.log_tail(200_000)) if server.log_path else None
+    where = f" (log: {server.log_path})" if server.log_path else ""
+    print(f"nanoserve serve: error: {reason or f'tritonserver exited with code {code}'}{where}", file=sys.stderr)
+    return 1
+
+
+def _start_openai_api(args, server, plan: Plan):
+    if not args.openai_port:
+        return None
+    from nanoserve.serving.openai_api.server import OpenAIServer  # fastapi, uvicorn: only when it is served
+
+    return OpenAIServer(server.url_grpc, plan.repository, args.host, args.openai_port,
+                        metrics_url=server.url_metrics).start()
+
+
+def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None) -> None:
+    models = ", ".join(plan.models) or "every model in the repository"
+    lines = [f"nanoserve: ready: {models} ({plan.description})"]
+    if api is not None:
+        lines.append(f"  OpenAI API    {api.url}")
+    lines += [f"  Triton HTTP   http://{server.url_http}    gRPC {server.url_grpc}",
+              f"  metrics       {server.url_metrics}"]
+    if log_file is not None:
+        lines.append(f"  log           {log_file}")
+    lines.append("Ctrl-C stops the server")
+    print("\n".join(lines), file=sys.stderr, flush=True)

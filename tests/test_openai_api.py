@@ -1,0 +1,177 @@
+"""The OpenAI-compatible API of `nanoserve serve`, driven with the official `openai` client: chat and completion,
+streamed and not, equal the offline engine's greedy text; logprobs equal the engine's; a client that goes away
+frees its request's KV blocks; bad parameters are 4xx naming them. One server (with --ensemble) for the module."""
+import json
+import socket
+import urllib.parse
+import urllib.request
+
+import openai
+import pytest
+from serving_utils import metrics, metrics_when
+from transformers import AutoTokenizer
+from triton_server import nanoserve_serve
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.serving.openai_api.chat import render_chat
+
+pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
+MODEL = "tiny"  # --served-model-name
+N = 12
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Héllo, naïve café?"}]
+GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def served(qwen3_dir, tmp_path_factory):
+    with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "--ensemble",
+                         "--num-kvcache-blocks", "128", "--report-custom-metrics") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def prompt(qwen3_dir):
+    return render_chat(AutoTokenizer.from_pretrained(qwen3_dir), MESSAGES)
+
+
+@pytest.fixture(scope="module")
+def offline(qwen3_dir, prompt):
+    llm = LLM(qwen3_dir, device="cpu")
+    try:
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=2),
+                            use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+
+
+def test_banner_comes_when_ready_and_models_lists_only_text_models(served, client):
+    assert any(line.startswith("nanoserve: ready:") for line in served.output)
+    assert any(served.openai_url in line for line in served.output)
+    # the ensemble's models (ensemble, nanoserve_tokens, pre/postprocessing) are Triton models, not text ones
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_chat_and_completion_streamed_and_not_equal_the_offline_engine(client, prompt, offline):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    assert chat.choices[0].message.content == offline.text and chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == N and chat.usage.prompt_tokens == offline.num_prompt_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == offline.num_prompt_tokens + N
+    completion = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    assert completion.choices[0].text == offline.text and completion.usage.completion_tokens == N
+    streamed = client.completions.create(model=MODEL, prompt=prompt, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == offline.text
+
+
+def test_logprobs_equal_the_engines(client, prompt, offline):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == N and "".join(t.token for t in content) == offline.text
+    for token, expected, token_id in zip(content, offline.logprobs, offline.token_ids):
+        assert token.logprob == pytest.approx(expected[token_id], abs=1e-4)
+        assert [t.logprob for t in token.top_logprobs] == pytest.approx(sorted(expected.values(), reverse=True),
+                                                                         abs=1e-4)
+        assert bytes(token.bytes).decode() == token.token
+    legacy = client.completions.create(model=MODEL, prompt=prompt, logprobs=1, **GREEDY).choices[0].logprobs
+    assert legacy.token_logprobs == pytest.approx([e[t] for e, t in zip(offline.logprobs, offline.token_ids)],
+                                                  abs=1e-4)
+    assert legacy.text_offset == [sum(map(len, legacy.tokens[:i])) for i in range(N)]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_stop_and_seed(client, prompt, offline):
+    stop = offline.text[len(offline.text) // 2:][:3]
+    out = client.completions.create(model=MODEL, prompt=prompt, stop=[stop], **GREEDY).choices[0]
+    assert out.finish_reason == "stop" and out.text == offline.text[:offline.text.index(stop)]
+    sampled = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, temperature=1.0, seed=seed)
+               .choices[0].text for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"top_p": 1.5}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_tokens": 100_000}, "max_tokens"),  # past max_model_len: the engine's INVALID_ARG, passed through
+    ({"extra_body": {"logit_bias": {"1": 5}}}, "logit_bias"),
+    ({"extra_body": {"stream_options": {"include_usage": True}}}, "stream_options"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+])
+def test_bad_parameters_are_400_naming_them(client, params, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**{"model": MODEL, "messages": MESSAGES, **params})
+    assert error.value.body["param"].startswith(param) and error.value.body["message"].startswith(param)
+
+
+def test_metrics_on_the_api_port_are_tritonservers_with_the_vllm_gauges(served):
+    """Where vLLM serves them, and where the Gateway API Inference Extension's endpoint picker scrapes them."""
+    with urllib.request.urlopen(served.openai_url.removesuffix("/v1") + "/metrics", timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        page = response.read().decode()
+    gauges = [line for line in page.splitlines() if line.startswith(("vllm:num_requests_waiting{",
+                                                                     "vllm:kv_cache_usage_perc{"))]
+    # the text model and the ensemble's token model (--report-custom-metrics switches both)
+    assert len(gauges) == 4 and any(f'model_name="{MODEL}"' in line for line in gauges)
+    with urllib.request.urlopen(served.url_metrics, timeout=30) as response:
+        assert set(gauges) <= set(response.read().decode().splitlines())
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="ensemble", prompt="Hi", max_tokens=2)
+    assert error.value.body["param"] == "model" and "ensemble" in error.value.body["message"]
+
+
+def test_a_client_gone_mid_stream_or_while_waiting_frees_the_engines_blocks(served):
+    before = metrics(served, MODEL).get('nanoserve_requests_finished_total{reason=abort}', 0)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with raw_post(served, "/chat/completions", body) as post:
+        assert post.read_until(b"data: {").startswith(b"HTTP/1.1 200")
+        metrics_when(served, MODEL, lambda m: m["nanoserve_kv_blocks_used"] > 0)
+    # closed after the first event: the Triton request is cancelled, the engine aborts it and frees its blocks
+    metrics_when(served, MODEL, lambda m: m.get('nanoserve_requests_finished_total{reason=abort}', 0) == before + 1
+                 and m["nanoserve_kv_blocks_used"] == 0, timeout=60)
+    with raw_post(served, "/chat/completions", {**body, "stream": False}):  # not streamed: closed while waiting
+        metrics_when(served, MODEL, lambda m: m["nanoserve_requests_running"] == 1)
+    metrics_when(served, MODEL, lambda m: m.get('nanoserve_requests_finished_total{reason=abort}', 0) == before + 2
+                 and m["nanoserve_kv_blocks_used"] == 0, timeout=60)
+
+
+class raw_post:
+    """A POST on a plain socket, closed (the client gone) when the with block ends."""
+
+    def __init__(self, served, path: str, body: dict):
+        url = urllib.parse.urlsplit(served.openai_url + path)
+        payload = json.dumps(body).encode()
+        self.sock = socket.create_connection((url.hostname, url.port))
+        self.sock.sendall(f"POST {url.path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+
+    def read_until(self, marker: bytes) -> bytes:
+        received = b""
+        while marker not in received:
+            data = self.sock.recv(4096)
+            assert data, received
+            received += data
+        return received
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()

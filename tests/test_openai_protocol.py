@@ -1,0 +1,115 @@
+"""The OpenAI API's parts without a server: request parsing (property-tested against SamplingParams), chat
+rendering, the logprobs conversions, errors."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+from tokenizers import processors
+
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.serving.openai_api.chat import render_chat
+from nanoserve.serving.openai_api.errors import APIError
+from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat
+from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs
+from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.serving.openai_api.triton import Chunk, triton_error
+from nanoserve.tiny_model import build_tokenizer
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+NUMBERS = st.one_of(st.none(), st.integers(-3, 40), st.floats(-3, 3, allow_nan=False))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.fixed_dictionaries({}, optional={
+    "max_tokens": NUMBERS, "max_completion_tokens": NUMBERS, "temperature": NUMBERS, "top_p": NUMBERS,
+    "top_k": NUMBERS, "min_p": NUMBERS, "seed": NUMBERS, "presence_penalty": NUMBERS, "n": NUMBERS,
+    "logprobs": st.booleans(), "top_logprobs": NUMBERS, "stop": st.one_of(st.text(max_size=3), st.lists(
+        st.text(max_size=3), max_size=2))}))
+def test_chat_sampling_parameters_are_valid_or_a_400_naming_a_request_field(values):
+    """Whatever a client sends: either sampling parameters the engine accepts, or a 400 (never a 500) whose
+    param is one of the request's own fields."""
+    try:
+        request = ChatCompletionRequest(model="m", messages=MESSAGES, **values)
+    except ValidationError:
+        return  # a type error: FastAPI answers 400 naming the field (tested against the server)
+    try:
+        params = request.sampling_parameters()
+    except APIError as error:
+        assert error.status == 400 and error.param in values, (error.message, values)
+        assert error.message.startswith(error.param)
+        return
+    sampling = SamplingParams.from_dict(params)
+    expected_max = values.get("max_completion_tokens") or values.get("max_tokens")
+    assert sampling.max_tokens == (expected_max if expected_max is not None else None)
+    assert sampling.logprobs == ((values.get("top_logprobs") or 0) if values.get("logprobs") else None)
+
+
+def test_completion_prompt_is_one_non_empty_string():
+    assert CompletionRequest(model="m", prompt=["Hi"]).prompt_text() == "Hi"
+    for prompt, message in ((["a", "b"], "one prompt per request"), ("", "empty")):
+        with pytest.raises(APIError, match=message):
+            CompletionRequest(model="m", prompt=prompt).prompt_text()
+    with pytest.raises(ValidationError):
+        CompletionRequest(model="m", prompt="x", logit_bias={})  # unknown parameters are refused
+
+
+def test_chat_template_and_a_bos_the_tokenizer_adds_anyway():
+    tokenizer = build_tokenizer()
+    assert render_chat(tokenizer, MESSAGES) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer.bos_token = "<|endoftext|>"
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single=f"{tokenizer.bos_token} $A",
+                                                                        special_tokens=[(tokenizer.bos_token, bos)])
+    ids = tokenizer.encode(render_chat(tokenizer, MESSAGES), add_special_tokens=True)
+    assert ids[0] == bos and ids.count(bos) == 1  # the engine's encoding of the prompt: one BOS
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(APIError, match="messages: the chat template failed: roles must alternate"):
+        render_chat(tokenizer, MESSAGES)
+    tokenizer.chat_template = None
+    with pytest.raises(APIError, match="no chat template"):
+        render_chat(tokenizer, MESSAGES)
+
+
+ENTRY = {"7": {"logprob": -2.0, "rank": 6, "decoded_token": "é"},  # vllm_backend's: the sampled token first
+         "3": {"logprob": -0.1, "rank": 1, "decoded_token": " a"},
+         "4": {"logprob": -0.5, "rank": 2, "decoded_token": "b"}}
+
+
+def test_logprobs_in_openais_shapes():
+    [token] = chat_logprobs([ENTRY], top_n=1)
+    assert token == {"token": "é", "logprob": -2.0, "bytes": [0xc3, 0xa9],
+                     "top_logprobs": [{"token": " a", "logprob": -0.1, "bytes": [32, 97]}]}
+    assert completion_logprobs([ENTRY, ENTRY], text_offset=5) == {
+        "tokens": ["é", "é"], "token_logprobs": [-2.0, -2.0], "text_offset": [5, 6],
+        "top_logprobs": [{"é": -2.0, " a": -0.1, "b": -0.5}] * 2}
+
+
+def test_stream_events_and_the_whole_response_agree():
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, stream=True, logprobs=True,
+                                    stream_options={"include_usage": True})
+    chunks = [Chunk(["Hé"], [None], [2], [[ENTRY, ENTRY]], 5), Chunk(["llo"], ["length"], [1], [[ENTRY]], 5, True)]
+    streamed = ChatFormat(request, "prompt")
+    events = streamed.start() + [e for chunk in chunks for e in streamed.events(chunk)] + streamed.end()
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "Héllo"
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1]["choices"] == []
+    assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    whole = ChatFormat(request, "prompt").full(chunks)["choices"][0]
+    assert whole["message"]["content"] == "Héllo" and whole["finish_reason"] == "length"
+    assert len(whole["logprobs"]["content"]) == 3
+    echoed = CompletionFormat(CompletionRequest(model="m", prompt="Say", echo=True, logprobs=0), "Say")
+    assert echoed.full(chunks)["choices"][0]["logprobs"]["text_offset"] == [3, 4, 5]
+
+
+@pytest.mark.parametrize("message, status, param", [
+    ("top_p: must be in (0, 1], got 1.5", 400, "top_p"),
+    ("text_input: empty prompt", 400, "prompt"),
+    ("internal error: the engine step failed (see the server log)", 500, None),
+    ("the model is being unloaded", 503, None),
+    ("the model is unavailable: the engine thread died (RuntimeError: x)", 503, None),
+    ("the server is shutting down: its exit timeout ends this request", 503, None),
+    ("Request for unknown model: 'x' is not found", 404, "model"),
+])
+def test_triton_errors_become_http_errors(message, status, param):
+    error = triton_error(message)
+    assert (error.status, error.param) == (status, param) and error.message == message

@@ -1,0 +1,186 @@
+"""`nanoserve serve`'s command line: flags generated from EngineConfig, help text and defaults on every option,
+and a configuration mistake told in one line (exit code 2) before tritonserver starts; a model that fails to
+load anyway is one line from tritonserver's log (exit code 1)."""
+import argparse
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from nanoserve import cli
+from nanoserve.config import EngineConfig
+from nanoserve.serving import launcher, triton_log
+from nanoserve.serving.engine_flags import flag, given_engine_args
+from nanoserve.serving.model_json import tokenizer_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_has_help_and_shows_its_default():
+    for name, parser in subcommands().items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"{name} {action.option_strings}: no help text"
+            if action.default not in (None, argparse.SUPPRESS):
+                assert "(default" in parser._get_formatter()._get_help_string(action), (name, action.dest)
+        assert "default: 8000" in text or name != "serve"
+
+
+def test_engine_flags_are_every_engine_argument_with_its_default():
+    serve = subcommands()["serve"]
+    options = {option for action in serve._actions for option in action.option_strings}
+    for field in EngineConfig.engine_args():
+        assert flag(field.name) in options
+        if field.default is not None:
+            assert f"(default: {field.default})" in " ".join(serve.format_help().split())
+    args = serve.parse_args(["ckpt", "--max-model-len", "512", "--no-enable-prefix-caching", "--dtype", "float32",
+                             "--gpu-memory-utilization", "0.5"])
+    assert given_engine_args(args) == {"max_model_len": 512, "enable_prefix_caching": False, "dtype": "float32",
+                                       "gpu_memory_utilization": 0.5}  # only what was given, typed
+
+
+@pytest.fixture
+def no_tritonserver(monkeypatch):
+    """These mistakes must be found before tritonserver starts."""
+    def refuse(self):
+        raise AssertionError("tritonserver was started")
+    monkeypatch.setattr(launcher.TritonServer, "start", refuse)
+
+
+def one_error_line(capsys, argv: list[str]) -> str:
+    if "--http-port" not in argv:
+        http, grpc, metrics = launcher.free_ports(3)
+        argv = [*argv, "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+                "--openai-port", "0"]
+    try:
+        code = cli.main(["serve", *argv])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, (code, err)
+    return err.strip()
+
+
+def copy_checkpoint(src, dest: Path, without=()) -> Path:
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(*without))
+    return dest
+
+
+def edit_json(path: Path, **changes) -> None:
+    """Set the given keys (None: remove the key)."""
+    edited = {**json.loads(path.read_text()), **changes}
+    path.write_text(json.dumps({key: value for key, value in edited.items() if value is not None}))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["{ckpt}", "--max-model-len", "4096"], "max_model_len: 4096 exceeds the model's max_position_embeddings"),
+    (["{ckpt}", "--max-model-len", "many"], "max_model_len: expected an integer, got 'many'"),
+    (["{ckpt}", "--device", "gpu"], "device: must be 'cpu', 'cuda' or 'cuda:N'"),
+    (["{ckpt}", "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization: must be in (0, 1]"),
+    (["{tmp}/missing"], "model: {tmp}/missing does not exist"),
+    (["{tmp}"], "{tmp}/config.json: not found"),
+    (["{ckpt}", "--served-model-name", "a/b"], "--served-model-name: 'a/b'"),
+    (["{ckpt}", "--model-repository", "{tmp}"], "exclude each other"),
+    ([], "MODEL: give a checkpoint directory"),
+    (["{ckpt}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_mistakes_are_one_line_before_tritonserver_starts(capsys, no_tritonserver, qwen3_dir, tmp_path, argv,
+                                                          expected):
+    fill = lambda text: text.format(ckpt=qwen3_dir, tmp=tmp_path)  # noqa: E731
+    assert fill(expected) in one_error_line(capsys, [fill(a) for a in argv])
+
+
+def test_checkpoint_mistakes_name_the_file(capsys, no_tritonserver, qwen3_dir, tmp_path):
+    unsupported = copy_checkpoint(qwen3_dir, tmp_path / "gpt2")
+    edit_json(unsupported / "config.json", architectures=["GPT2LMHeadModel"])
+    assert f"{unsupported}/config.json: architecture 'GPT2LMHeadModel' is not supported" in \
+        one_error_line(capsys, [str(unsupported)])
+    no_tokenizer = copy_checkpoint(qwen3_dir, tmp_path / "no_tok", without=["tokenizer*", "chat_template*"])
+    assert f"tokenizer: {no_tokenizer} holds no tokenizer" in one_error_line(capsys, [str(no_tokenizer)])
+    no_weights = copy_checkpoint(qwen3_dir, tmp_path / "no_weights", without=["*.safetensors"])
+    assert f"{no_weights}: no *.safetensors weights" in one_error_line(capsys, [str(no_weights)])
+
+
+def test_ports_in_use_or_repeated_are_named(capsys, no_tritonserver, qwen3_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        http, metrics, openai = launcher.free_ports(3)
+        argv = [str(qwen3_dir), "--http-port", str(http), "--grpc-port", str(port), "--metrics-port", str(metrics),
+                "--openai-port", str(openai)]
+        assert f"--grpc-port: 127.0.0.1:{port} is not available" in one_error_line(capsys, argv)
+    argv = [str(qwen3_dir), "--http-port", str(http), "--grpc-port", str(http), "--metrics-port", str(metrics)]
+    assert f"--grpc-port: port {http} is also --http-port" in one_error_line(capsys, argv)
+
+
+def test_model_repository_mistakes_name_the_file(capsys, no_tritonserver, qwen3_dir, tmp_path):
+    # the repository as shipped points at ../../tiny-qwen3, which a fresh clone does not have
+    shipped = tmp_path / "shipped"
+    shutil.copytree(REPO / "model_repository", shipped)
+    error = one_error_line(capsys, ["--model-repository", str(shipped)])
+    assert error.startswith("nanoserve serve: error: ") and "/1/model.json: model: " in error
+    assert f"{tmp_path}/tiny-qwen3 does not exist" in error
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, device="cpu")
+    edit_json(repo / "nanoserve" / "1" / "model.json", max_model_len=4096)
+    assert f"{repo}/nanoserve/1/model.json: max_model_len: 4096 exceeds" in \
+        one_error_line(capsys, ["--model-repository", str(repo)])
+    edit_json(repo / "nanoserve" / "1" / "model.json", max_model_len=1024, max_num_seq=3)
+    assert "unknown engine argument(s): max_num_seq" in one_error_line(capsys, ["--model-repository", str(repo)])
+    edit_json(repo / "nanoserve" / "1" / "model.json", max_num_seq=None)
+    shutil.rmtree(repo / "nanoserve_tokens")
+    assert f"{repo}/postprocessing/config.pbtxt: engine_model 'nanoserve_tokens' is not a model" in \
+        one_error_line(capsys, ["--model-repository", str(repo)])
+    (repo / "ensemble" / "config.pbtxt").write_text("platform: ensemble\n")  # not protobuf text: no quotes
+    assert f"{repo}/ensemble/config.pbtxt:" in one_error_line(capsys, ["--model-repository", str(repo)])
+
+
+def test_pre_and_postprocessing_name_model_json_when_the_checkpoint_is_missing(tmp_path):
+    """Not transformers' "Repo id must be in the form ..." for a path that does not exist."""
+    shutil.copytree(REPO / "model_repository" / "nanoserve_tokens", tmp_path / "repo" / "nanoserve_tokens")
+    with pytest.raises(ValueError, match=r'model: .*tiny-qwen3 does not exist \(set "model" in .*model.json'):
+        tokenizer_dir(str(tmp_path / "repo" / "nanoserve_tokens"))
+
+
+@pytest.mark.triton_server
+def test_a_model_that_fails_to_load_is_one_line_from_the_log(capsys, qwen3_dir, tmp_path):
+    """What only the backend checks (here a config.pbtxt parameter) comes from tritonserver's log."""
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, models=["nanoserve"], device="cpu")
+    config = repo / "nanoserve" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "send_budget" value: { string_value: "2" } }\n')
+    http, grpc, metrics = launcher.free_ports(3)
+    code = cli.main(["serve", "--model-repository", str(repo), "--http-port", str(http), "--grpc-port", str(grpc),
+                     "--metrics-port", str(metrics), "--openai-port", "0", "--log-file", str(tmp_path / "log")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and lines[-1].startswith("nanoserve serve: error: model 'nanoserve' did not load: "), lines
+    assert "send_budget: must be a number in (0, 1], got '2'" in lines[-1] and f"(log: {tmp_path}/log)" in lines[-1]
+    assert not any(line.startswith("nanoserve: ready") for line in lines)
+
+
+LOAD_FAILURE_LOG = '''I1125 07:32:39.994 9881 server.cc:241] "started"
+E1125 07:32:39.994595 9881 server.cc:241] "CudaDriverHelper has not been initialized."
+E1125 07:32:44.517938 9881 model_lifecycle.cc:642] "failed to load 'nanoserve' version 1: Internal: ValueError: \
+max_model_len: 4096 exceeds the model's max_position_embeddings (2048)\\n\\nAt:\\n  /x/config.py(83): _load"
+| nanoserve | 1       | UNAVAILABLE: Internal: ValueError: max_model_len: 4096 exceeds ... |
+error: creating server: Internal - failed to load all models
+'''
+
+
+def test_the_line_that_matters_in_a_tritonserver_log():
+    assert triton_log.failure(LOAD_FAILURE_LOG) == ("model 'nanoserve' did not load: ValueError: max_model_len: 4096 "
+                                                     "exceeds the model's max_position_embeddings (2048)")
+    busy = ('E1125 07:32:44.5 9881 grpc_server.cc:2466] "Failed to start GRPC service: Unavailable - Socket '
+            '\'127.0.0.1:8001\' already in use"\nerror: creating server: Internal - failed to start\n')
+    assert triton_log.failure(busy) == "Failed to start GRPC service: Unavailable - Socket '127.0.0.1:8001' already in use"
+    assert triton_log.failure("error: creating server: Internal - x\n") == "creating server: Internal - x"
+    assert triton_log.failure("I1125 fine\n") is None

@@ -1,0 +1,30 @@
+"""`nanoserve serve FILE.gguf`: the file is converted once into the cache and served; a completion through the
+OpenAI API equals the offline engine's greedy text on the same file."""
+import openai
+import pytest
+from gguf_files import write_gguf
+from triton_server import nanoserve_serve
+
+from nanoserve import LLM, SamplingParams
+
+pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
+PROMPT = "Paged attention keeps"
+
+
+def test_serve_a_gguf_file_equals_the_offline_engine(tmp_path, monkeypatch):
+    from nanoserve.tiny_model import build_tiny_model
+
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))  # the server converts where LLM(...) does
+    hf_dir = build_tiny_model(str(tmp_path / "hf"), "llama", seed=5, rope_scaling=None)
+    model = write_gguf(hf_dir, str(tmp_path / "tiny-llama.gguf"), "llama")
+    llm = LLM(model, device="cpu", num_kvcache_blocks=64)
+    try:
+        expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                use_tqdm=False)[0].text
+    finally:
+        llm.shutdown()
+    with nanoserve_serve(model, tmp_path, "--served-model-name", "tiny-gguf") as served:
+        client = openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=120)
+        completion = client.completions.create(model="tiny-gguf", prompt=PROMPT, temperature=0, max_tokens=10,
+                                               extra_body={"ignore_eos": True})
+    assert completion.choices[0].text == expected
