@@ -28,12 +28,13 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving import request as contract
-from nanoserve.serving.ensemble import token_formatter
+from nanoserve.serving.ensemble import cancel_target, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
                                           reports_vllm_metrics)
-from nanoserve.serving.responses import DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream, text_formatter
+from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, CancelById, Register, Reject, ResponseThread, Stream,
+                                         text_formatter)
 from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,10 @@ class TritonPythonModel:
             self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
             return
         try:
+            target = cancel_target(request.parameters())
+            if target is not None:  # a control request: cancel the requests with that id
+                self.events.put(CancelById(sender, target))
+                return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                             tokens=self.mode == "tokens",

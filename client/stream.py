@@ -87,6 +87,7 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
     responses: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(url)
     result = StreamResult()
+    finished = False
     try:
         flags = accepted_flags(i.name for i in _grpc_metadata(client, model).inputs)
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -98,7 +99,8 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
                 response, error = responses.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"{model}: no response in {timeout} s") from None
-            if error is not None:
+            if error is not None:  # an error ends the request (nanoserve sends it as the final response)
+                finished = True
                 raise RuntimeError(f"{model}: {error}")
             delta = first_value(response.as_numpy("text_output")) or ""
             result.add(delta, first_value(response.as_numpy("num_output_tokens")),
@@ -107,9 +109,12 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
                 on_text(delta)
             if response.get_response().parameters["triton_final_response"].bool_param:
                 result.total = time.perf_counter() - start
+                finished = True
                 return result
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only a request still running: tritonserver 2.51 never releases a request whose stream is cancelled
+        # after its final response (before the server ended the stream), and its model then never unloads.
+        client.stop_stream(cancel_requests=not finished)
         client.close()
 
 
@@ -128,6 +133,17 @@ def _sse_events(response):
         line = raw.decode().strip()
         if line.startswith("data:"):
             yield json.loads(line[len("data:"):])
+
+
+def first_sse_event(connection) -> bytes:
+    """What a raw /generate_stream socket received up to its first event (the headers may come on their own)."""
+    received = b""
+    while b"data:" not in received:
+        chunk = connection.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+    return received
 
 
 def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,

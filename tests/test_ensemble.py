@@ -5,14 +5,14 @@ import random
 
 import numpy as np
 import pytest
-from serving_utils import http_post, is_ready, stream, triton
+from serving_utils import TIMEOUT, collect, http_post, is_ready, metrics_when, open_sse, open_stream, stream, triton
 from test_detokenizer import SAMPLE, TOKENIZERS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import (DecodeContext, DetokenizeRequest, context_size, decode_delta, is_final,
-                                       special_token_ids, token_arrays)
+from nanoserve.serving.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
+                                        context_size, decode_delta, is_final, special_token_ids, token_arrays)
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
@@ -118,6 +118,19 @@ def test_the_context_window_holds_its_size_in_ids_that_decoding_keeps():
         assert context.window() == expected
 
 
+def test_the_postprocessing_asks_each_stream_at_most_every_interval_and_never_after_a_cancel():
+    now = [0.0]
+    checks = CancelChecks(clock=lambda: now[0])
+    assert checks.due("a", final=False) and not checks.due("a", final=False)  # asked, then not before the interval
+    assert checks.due("b", final=False)
+    now[0] += CANCEL_CHECK_INTERVAL
+    assert checks.due("a", final=False)
+    checks.cancelled("a")
+    now[0] += 100 * CANCEL_CHECK_INTERVAL
+    assert not checks.due("a", final=False) and checks.due("b", final=False)
+    assert not checks.due("b", final=True) and checks.next_check == {"a": float("inf")}  # forgotten at the end
+
+
 def detokenize_inputs(**overrides):
     inputs = {"output_ids": np.array([5, 6], np.int32), "context_ids": np.array([4], np.int32),
               "finish_reason": np.array([b""], dtype=object),
@@ -138,6 +151,7 @@ JUNK = [  # postprocessing inputs sent directly, and the input the error must na
     ({"detokenize_params": np.array([b'{"stop": [""]}'], dtype=object)}, "detokenize_params"),
     ({"detokenize_params": np.array([b'{"zzz": 1}'], dtype=object)}, "detokenize_params"),
     ({"detokenize_params": np.array([b'{"skip_special_tokens": "no"}'], dtype=object)}, "detokenize_params"),
+    ({"request_id": np.array([b"a", b"b"], dtype=object)}, "request_id"),
 ]
 
 
@@ -158,6 +172,7 @@ PROMPTS = ["Héllo wörld, naïve café — 你好 ", "  spaces   and\ttabs\n"]
 N = 32
 GREEDY = {"max_tokens": np.array([N], np.int32), "temperature": np.array([0.0], np.float32),
           "sampling_parameters": {"ignore_eos": True}}
+LONG = {"sampling_parameters": {"ignore_eos": True, "max_tokens": 1500}}  # far longer than the test runs it
 
 
 @pytest.fixture(scope="module")
@@ -176,30 +191,71 @@ def offline(llm, prompt):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)[0]
 
 
+def engine_metrics(server, condition):
+    return metrics_when(server, "nanoserve_tokens", condition)
+
+
+def idle(values) -> bool:
+    return values["nanoserve_requests_running"] == 0 and values["nanoserve_requests_waiting"] == 0
+
+
 @pytest.mark.triton_server
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_ensemble_streams_the_offline_text(server, llm, prompt):
     expected = offline(llm, prompt).text
     streamed = stream(server, "ensemble", text_input=prompt, stream=True, **GREEDY)
-    assert streamed.error is None
-    assert streamed.text == expected and len(streamed.responses) > 1
+    assert streamed.error is None and streamed.text == expected
     assert streamed.responses[-1]["finish_reason"].tolist() == [b"length"]
     whole = stream(server, "ensemble", text_input=prompt, **GREEDY)
     assert whole.texts == [expected]
 
 
 @pytest.mark.triton_server
+def test_a_stream_responds_before_its_end_and_its_cancel_reaches_the_engine(server):
+    """The first response of a long stream is not its last. Cancelling the stream aborts the engine's request
+    (blocks freed, counted as an abort), which Triton's ensemble scheduler alone never does."""
+    before = engine_metrics(server, idle)
+    client, events = open_stream(server, "ensemble", text_input=PROMPTS[0], stream=True, **LONG)
+    first, error = events.get(timeout=TIMEOUT)
+    assert error is None and not first.get_response().parameters["triton_final_response"].bool_param
+    engine_metrics(server, lambda values: values["nanoserve_requests_running"] == 1)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    after = engine_metrics(server, idle)
+    assert after["nanoserve_kv_blocks_used"] == 0
+    assert after["nanoserve_requests_finished_total{reason=abort}"] == \
+        before["nanoserve_requests_finished_total{reason=abort}"] + 1
+
+
+@pytest.mark.triton_server
+def test_closing_an_sse_stream_of_the_ensemble_aborts_the_engine_request(server):
+    before = engine_metrics(server, idle)
+    body = {"text_input": PROMPTS[1], "stream": True, "sampling_parameters": json.dumps(LONG["sampling_parameters"])}
+    close = open_sse(server, "ensemble", body)
+    engine_metrics(server, lambda values: values["nanoserve_requests_running"] == 1)
+    close()
+    after = engine_metrics(server, idle)
+    assert after["nanoserve_kv_blocks_used"] == 0
+    assert after["nanoserve_requests_finished_total{reason=abort}"] == \
+        before["nanoserve_requests_finished_total{reason=abort}"] + 1
+    assert is_ready(server)
+
+
+@pytest.mark.triton_server
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_the_streaming_client_streams_the_ensemble(server, llm, protocol):
-    """client/stream.py sends only the vllm_backend flags a model declares: the ensemble has `stream` only."""
+    """client/stream.py sends only the vllm_backend flags a model declares: the ensemble has `stream` only. It
+    closes its gRPC stream without cancelling it after the last response: a cancel then would leave the request,
+    and its model, alive in tritonserver 2.51, and the module's server would not stop on SIGTERM."""
     from client import stream as client
 
     params = client.sampling_parameters(max_tokens=N, temperature=0.0, ignore_eos=True)
     run = client.stream_grpc if protocol == "grpc" else client.stream_http
     url = server.url_grpc if protocol == "grpc" else server.url_http
-    result = run(url, "ensemble", PROMPTS[0], params)
-    assert result.text == offline(llm, PROMPTS[0]).text and len(result.deltas) > 1
-    assert result.finish_reason == "length" and result.num_output_tokens is None  # the ensemble has no count
+    for _ in range(4):
+        result = run(url, "ensemble", PROMPTS[0], params)
+        assert result.text == offline(llm, PROMPTS[0]).text
+        assert result.finish_reason == "length" and result.num_output_tokens is None  # the ensemble has no count
 
 
 @pytest.mark.triton_server
@@ -212,6 +268,31 @@ def test_token_model_streams_the_offline_ids(server, llm):
     starts = np.cumsum([0] + [len(r["output_ids"]) for r in out.responses])[:-1]
     assert [r["context_ids"].tolist() for r in out.responses] == [ids[:start][-16:] for start in starts]
     assert not set(ids) & special_token_ids(llm.tokenizer)  # else a run of them is cut to one in the context
+
+
+@pytest.mark.triton_server
+def test_a_control_request_cancels_the_token_model_request_it_names(server):
+    """What the postprocessing sends: parameter cancel_request_id names a request by the request_id output of its
+    responses; the control is answered with an empty final response, and the request ends with finish_reason
+    "abort". An empty id is an error."""
+    before = engine_metrics(server, idle)
+    client, events = open_stream(server, "nanoserve_tokens", input_ids=np.array([5, 6], np.int32), stream=True,
+                                 **LONG)
+    first, error = events.get(timeout=TIMEOUT)
+    assert error is None
+    request_id = first.as_numpy("request_id")[0].decode()
+    control = stream(server, "nanoserve_tokens", parameters={"cancel_request_id": request_id},
+                     input_ids=np.zeros(0, np.int32))
+    assert control.error is None and control.responses == [] and control.num_empty_final == 1
+    cancelled = collect(events)
+    client.stop_stream()
+    client.close()
+    assert cancelled.error is None and cancelled.responses[-1]["finish_reason"].tolist() == [b"abort"]
+    after = engine_metrics(server, idle)
+    assert after["nanoserve_requests_finished_total{reason=abort}"] == \
+        before["nanoserve_requests_finished_total{reason=abort}"] + 1
+    bad = stream(server, "nanoserve_tokens", parameters={"cancel_request_id": ""}, input_ids=np.zeros(0, np.int32))
+    assert "cancel_request_id" in bad.error.message()
 
 
 @pytest.mark.triton_server
@@ -233,7 +314,7 @@ def test_ensemble_cuts_at_a_stop_string_as_the_text_model(server, llm, include):
 
 @pytest.mark.triton_server
 def test_ensemble_keeps_special_tokens_when_asked(server, llm):
-    """skip_special_tokens travels from the token model to the postprocessing with every response."""
+    """skip_special_tokens travels from the token model to the detokenizer with every response."""
     special = set(llm.tokenizer.all_special_ids)
     base = {"max_tokens": N, "temperature": 3.0, "ignore_eos": True}  # flat enough to sample one
     seed = next(seed for seed in range(200)  # a sampled output with a special token in it
@@ -261,7 +342,8 @@ def test_ensemble_chat_template(server, llm):
 @pytest.mark.triton_server
 def test_ensemble_bad_input_names_the_field(server):
     for inputs, field in [({"text_input": ""}, "text_input"), ({"text_input": b"\xff"}, "text_input"),
-                          ({"text_input": "Hi", "sampling_parameters": {"top_p": 2}}, "top_p")]:
+                          ({"text_input": "Hi", "sampling_parameters": {"top_p": 2}}, "top_p"),
+                          ({"text_input": "x " * 3000}, "input_ids")]:
         out = stream(server, "ensemble", **inputs)
         assert out.error is not None and field in out.error.message(), out.error
     assert is_ready(server)

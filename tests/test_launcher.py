@@ -14,7 +14,8 @@ import pytest
 
 import nanoserve
 from nanoserve.serving import launcher
-from triton_server import assert_nothing_left, group_members, kill_group, processes, running_server, shm_regions
+from triton_server import (assert_nothing_left, child_pid, group_members, http_ready, kill_group, running_server,
+                           shm_regions)
 
 # A throw-away Python-based backend: reports where its interpreter found its packages.
 ECHO_BACKEND = '''
@@ -177,24 +178,6 @@ def test_tiny_model_is_built_once_with_the_default_weights(tmp_path, qwen3_dir):
         assert all(weights[name].equal(reference[name]) for name in reference)
 
 
-def _child_pid(parent: int, timeout: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        children = [pid for pid, _, ppid, _ in processes() if ppid == parent]
-        if children:
-            return children[0]
-        time.sleep(0.1)
-    raise TimeoutError(f"no child of {parent}")
-
-
-def _ready(http_port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 @pytest.mark.triton_server
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_serve_stops_on_signal(echo_repository, sig):
@@ -209,9 +192,9 @@ def test_cli_serve_stops_on_signal(echo_repository, sig):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     triton = None
     try:
-        triton = _child_pid(cli.pid)
+        triton = child_pid(cli.pid)
         deadline = time.monotonic() + 120
-        while not _ready(http):
+        while not http_ready(http):
             assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
             time.sleep(0.2)
         assert "--log-verbose=1" in Path(f"/proc/{triton}/cmdline").read_text()

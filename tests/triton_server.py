@@ -18,14 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from nanoserve.serving.launcher import (SHM_DIR, TritonServer, free_ports, group_members,  # noqa: F401 (processes:
-                                        make_model_repository, processes)                 # for test_launcher)
+from nanoserve.serving.launcher import SHM_DIR, TritonServer, free_ports, group_members, make_model_repository, processes
 
 # Small CPU KV cache: a stub with the default 1 GiB takes ~1.4 GB of memory.
 TEST_ENGINE_ARGS = {"device": "cpu", "cpu_kvcache_space_gib": 0.125}
@@ -65,6 +65,25 @@ def assert_nothing_left(server: TritonServer) -> None:
     assert server.poll() is not None, "tritonserver still running"
     assert group_members(server.process.pid) == [], "processes (stubs?) left in tritonserver's group"
     assert shm_regions(server.shm_prefix) == [], "shared memory regions left behind"
+
+
+def child_pid(parent: int, timeout: float = 30.0, exclude=()) -> int:
+    """A child process of parent (not one of exclude), once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children = [pid for pid, _, ppid, _ in processes() if ppid == parent and pid not in exclude]
+        if children:
+            return children[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"no child of {parent}")
+
+
+def http_ready(http_port: int, path: str = "/v2/health/ready") -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def kill_group(pgid: int) -> None:

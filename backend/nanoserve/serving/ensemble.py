@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,8 @@ from nanoserve.serving.responses import (Entry, Generated, Stream, accumulate, f
                                          string_array, token_decoder)
 
 CONTEXT_IDS = 16
+CANCEL_PARAMETER = "cancel_request_id"  # a control request's parameter: the request_id output of the one to cancel
+CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
@@ -110,7 +113,8 @@ def token_arrays(stream: Stream, outputs: list, special_ids: frozenset = frozens
             "output_ids": np.array(generated.token_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),
             "finish_reason": string_array([finish_reason_text(output)]),
-            "detokenize_params": context.params}
+            "detokenize_params": context.params,
+            "request_id": string_array([output.request_id])}
 
 
 def is_final(finish_reason: bytes | str) -> bool:
@@ -129,12 +133,15 @@ def detokenize_params(params) -> str:
                        "include_stop_str_in_output": params.include_stop_str_in_output})
 
 
-def engine_dir(args: dict) -> str:
-    """Pre/postprocessing: the directory of the engine model named by the config parameter "engine_model" (a
-    model in the same repository), so the checkpoint is configured in one model.json."""
+def engine_model(args: dict) -> str:
+    """Pre/postprocessing: the engine model named by the config parameter "engine_model" (a model in the same
+    repository), so the checkpoint is configured in one model.json."""
     parameters = json.loads(args["model_config"]).get("parameters", {})
-    engine_model = parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
-    return os.path.join(os.path.dirname(args["model_repository"]), engine_model)
+    return parameters.get("engine_model", {}).get("string_value", "nanoserve_tokens")
+
+
+def engine_dir(args: dict) -> str:
+    return os.path.join(os.path.dirname(args["model_repository"]), engine_model(args))
 
 
 def engine_tokenizer(args: dict):
@@ -150,7 +157,43 @@ def engine_max_prompt_bytes(args: dict, tokenizer) -> int | None:
     return None if max_model_len is None else max_prompt_bytes(tokenizer, max_model_len)
 
 
+def cancel_target(parameters: str) -> str | None:
+    """The request id a control request cancels (parameter CANCEL_PARAMETER); None for every other request (whose
+    parameters, even invalid ones, are the request parser's to judge)."""
+    try:
+        values = json_object("parameters", parameters)
+    except ValueError:
+        return None
+    if CANCEL_PARAMETER not in values:
+        return None
+    target = values[CANCEL_PARAMETER]
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"{CANCEL_PARAMETER}: expected a non-empty request id, got {target!r}")
+    return target
+
+
 # ---- postprocessing side --------------------------------------------------------------------------------
+class CancelChecks:
+    """Which of the ensemble's streams the postprocessing asks now whether their client cancelled: each ask is an
+    IPC round trip to tritonserver, so one per stream every CANCEL_CHECK_INTERVAL, none once it was cancelled, and
+    a stream is forgotten at its last response."""
+
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.next_check: dict[str, float] = {}  # request_id -> when its next ask is due (inf: cancelled)
+
+    def due(self, request_id: str, final: bool) -> bool:
+        if final:
+            self.next_check.pop(request_id, None)
+            return False
+        now = self.clock()
+        if now < self.next_check.get(request_id, now):
+            return False
+        self.next_check[request_id] = now + CANCEL_CHECK_INTERVAL
+        return True
+
+    def cancelled(self, request_id: str) -> None:
+        self.next_check[request_id] = float("inf")
 FINISH_REASONS = ("None", "", "stop", "length", "abort")  # "None" (or "") before the last response
 DETOKENIZE_KEYS = ("skip_special_tokens", "stop", "include_stop_str_in_output")
 
@@ -162,6 +205,7 @@ class DetokenizeRequest:
     new_ids: list[int]
     finish_reason: str
     params: dict  # decode_delta's keyword arguments
+    request_id: str | None  # the engine's id for the request, which cancels it (None: no cancellation)
 
     @classmethod
     def parse(cls, get, max_ids: int | None) -> "DetokenizeRequest":
@@ -171,8 +215,10 @@ class DetokenizeRequest:
             raise ValueError(f"finish_reason: must be one of {FINISH_REASONS}, got {reason[:100]!r}")
         params = get("detokenize_params")
         params = {} if params is None else json_object("detokenize_params", single("detokenize_params", params))
+        request_id = get("request_id")
+        request_id = None if request_id is None else utf8("request_id", single("request_id", request_id))
         return cls(_token_ids(get, "context_ids", max_ids), _token_ids(get, "output_ids", max_ids), reason,
-                   _detokenize_params(params))
+                   _detokenize_params(params), request_id)
 
 
 def _token_ids(get, name: str, max_ids: int | None) -> list[int]:

@@ -152,6 +152,7 @@ class TritonServer:
         self.install = install
         self.shm_prefix = f"triton_nanoserve_{os.getpid()}_{next(_counter)}_"
         self.process: subprocess.Popen | None = None
+        self.starts = 0  # how many times a tritonserver was started (restart() starts another)
         self._work_dir: Path | None = None
         self._log = None
 
@@ -197,7 +198,7 @@ class TritonServer:
             backend_dir = assemble_backend_dir(self.install, self._work_dir / "backends", self.backend_model)
             if self.log_path is not None:
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log = open(self.log_path, "wb")
+                self._log = open(self.log_path, "ab" if self.starts else "wb")  # a restart appends
             self.process = subprocess.Popen(self.command(backend_dir), env=stub_environment(self.install),
                                             stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -205,8 +206,16 @@ class TritonServer:
         except BaseException:
             self._cleanup()
             raise
+        self.starts += 1
         _live_servers.add(self)
         return self
+
+    def restart(self, grace: float) -> "TritonServer":
+        """SIGTERM, the whole process group killed after `grace` seconds, then a new tritonserver with the same
+        settings (ports, models, shared-memory prefix)."""
+        self.stop(timeout=grace)
+        self.process = None
+        return self.start()
 
     def poll(self) -> int | None:
         return None if self.process is None else self.process.poll()

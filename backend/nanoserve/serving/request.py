@@ -61,6 +61,7 @@ TOKEN_OUTPUTS = [
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
     {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
     {"name": "detokenize_params", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "request_id", "data_type": "TYPE_STRING", "dims": [1]},  # what a cancel_request_id control names
     *_COMMON_OUTPUTS,
 ]
 

@@ -48,6 +48,10 @@ class Stream:
     samples: list[Sample] = field(init=False)  # the request's n sequences, by index
     prompt_logprobs: object = None  # non-streaming: the request's PromptLogprobs, once they came
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
+    # Cancelled by a CancelById: end with a final response (finish_reason "abort") instead of a CANCELLED error, so
+    # that the ensemble ends as usual (an error from a step that is still streaming would keep Triton 2.51's
+    # ensemble from ever releasing the request).
+    abort_with_final: bool = False
     triton_request_id: str = ""  # the id the client gave the Triton request, if any (for the log)
 
     def __post_init__(self):
@@ -72,6 +76,16 @@ class Reject:
     sender: object
     message: str
     code: str = "INVALID_ARG"  # the TritonError code's name
+
+
+@dataclass
+class CancelById:
+    """A control request (parameter CANCEL_PARAMETER of serving/ensemble.py): cancel this model's request request_id
+    (the request_id output of its responses; it ends with finish_reason "abort"), then answer with an empty FINAL
+    response. The ensemble's postprocessing sends it for a client that cancelled: Triton's ensemble scheduler does not
+    pass a cancel on to a decoupled step that is already running."""
+    sender: object
+    request_id: str
 
 
 STOP = object()
@@ -143,7 +157,7 @@ class ResponseThread:
         """One round of the loop (called directly by tests); True when STOP came."""
         stopping = any(event is STOP for event in events)
         for event in events:  # requests first: the steps below may hold their first outputs
-            if isinstance(event, (Register, Reject)):
+            if isinstance(event, (Register, Reject, CancelById)):
                 self._guarded(self._handle_request_event, event)
         steps = [event for event in events if isinstance(event, StepResult)]
         if steps:
@@ -166,6 +180,11 @@ class ResponseThread:
     def _handle_request_event(self, event) -> None:
         if isinstance(event, Register):
             self.streams[event.request_id] = event.stream
+        elif isinstance(event, CancelById):
+            if event.request_id in self.streams:
+                self.streams[event.request_id].abort_with_final = True
+                self._cancel(event.request_id, "was cancelled by a control request")
+            event.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
@@ -271,17 +290,19 @@ class ResponseThread:
         if now < self._next_check or not self.streams:
             return
         self._next_check = now + self.cancel_check_interval
-        request_ids = list(self.streams)
-        start = self._cancel_cursor % len(request_ids)
-        turn = (request_ids[start:] + request_ids[:start])[:CANCEL_CHECKS_PER_ROUND]
-        self._cancel_cursor = start + len(turn)
+        turn, self._cancel_cursor = next_turn(list(self.streams), self._cancel_cursor)
         for request_id in turn:
-            stream = self.streams[request_id]
-            if not stream.cancelled and stream.sender.is_cancelled():
-                stream.cancelled = True
-                triton_id = f" (Triton request id {stream.triton_request_id!r})" if stream.triton_request_id else ""
-                logger.info("nanoserve: request %s%s was cancelled; aborting it", request_id, triton_id)
-                self.engine_thread.abort(request_id)
+            if not self.streams[request_id].cancelled and self.streams[request_id].sender.is_cancelled():
+                self._cancel(request_id, "was cancelled")
+
+    def _cancel(self, request_id: str, why: str) -> None:
+        """Abort the request in the engine (its KV blocks are freed at once); its "abort" output ends it."""
+        stream = self.streams[request_id]
+        if not stream.cancelled:
+            stream.cancelled = True
+            triton_id = f" (Triton request id {stream.triton_request_id!r})" if stream.triton_request_id else ""
+            logger.info("nanoserve: request %s%s %s; aborting it", request_id, triton_id, why)
+            self.engine_thread.abort(request_id)
 
     # ---- one response ---------------------------------------------------------------------------------
     def _on_output(self, request_id: str, outputs: list) -> None:
@@ -290,7 +311,7 @@ class ResponseThread:
             return
         stream.add(outputs)
         finished = outputs[-1].finished  # merge_into puts the latest last
-        if stream.cancelled:
+        if stream.cancelled and not (finished and stream.abort_with_final):
             if finished:
                 self._fail(request_id, "request cancelled", self.pb.TritonError.CANCELLED, finished=True)
             return
@@ -355,6 +376,15 @@ class ResponseThread:
     def _send_error(self, sender, message: str, code) -> None:
         error = self.pb.TritonError(message, code)
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def next_turn(keys: list, cursor: int, count: int = CANCEL_CHECKS_PER_ROUND) -> tuple[list, int]:
+    """Round-robin: up to count keys from position cursor on (wrapping around), and the cursor after them."""
+    if not keys:
+        return [], 0
+    start = cursor % len(keys)
+    turn = (keys[start:] + keys[:start])[:count]
+    return turn, start + len(turn)
 
 
 def merge_into(pending: dict, outputs) -> dict:

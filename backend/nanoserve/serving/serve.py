@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.config import EngineConfig
-from nanoserve.serving import launcher, preflight, triton_log
+from nanoserve.serving import launcher, preflight, supervisor, triton_log
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.serving.model_json import MULTI_LORA_JSON
 from nanoserve.serving.preflight import ConfigError
@@ -176,11 +176,14 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
             server.stop()
             print(f"nanoserve serve: error: --openai-port: {e}", file=sys.stderr)
             return 1
+        supervision = supervisor.Supervisor(server)
         _banner(args, server, plan, api, log_file)
-        while server.poll() is None and not signals.received:
-            time.sleep(0.2)
+        healthy = supervision.run(signals.received)
         if api is not None:
             api.stop()
+        if not healthy:  # stubs died too often: the orchestrator's turn
+            server.stop(signal.SIGTERM, timeout=supervisor.RESTART_GRACE)
+            return 1
         code = server.stop(signals.received[0] if signals.received else signal.SIGTERM)
     return launcher.exit_code(code, signals.received)
 
