@@ -77,7 +77,8 @@ class IncrementalDetokenizer:
                 if text:
                     self._parts.append(text)
                 return text
-        text = self._decode_bytes((token_id,))
+        table = self._bytes
+        text = self._decode_bytes(table[token_id] if token_id < len(table) else b"")
         if text:
             self._parts.append(text)
         return text
@@ -87,7 +88,7 @@ class IncrementalDetokenizer:
         if self.finished or not new_token_ids:
             return ""
         if self._bytes is not None:
-            return self._release(self._decode_bytes(new_token_ids), final=False)
+            return self._release(self._decode_bytes(token_bytes(self._bytes, new_token_ids)), final=False)
         self._ids.extend(new_token_ids)
         return self._release(self._decode_new(), final=False)
 
@@ -97,20 +98,16 @@ class IncrementalDetokenizer:
             return ""
         self._texts = None  # add_token must not bypass the finished check from now on
         if self._bytes is not None:
-            rest = self._decode_bytes((), final=True)
+            rest = self._decode_bytes(b"", final=True)
         else:
             window = self._decode(self._ids[self._start:])
             rest, self._sent = window[self._sent:], len(window)
         self._flushed = True
         return self._release(rest, final=True)
 
-    def _decode_bytes(self, token_ids: Sequence[int], final: bool = False) -> str:
-        """Byte-level path: UTF-8 of the tokens' bytes; an unfinished character waits in self._tail."""
-        table = self._bytes
-        try:
-            data = self._tail + b"".join([table[i] for i in token_ids])
-        except IndexError:  # ids past the tokenizer's vocab (padded embedding rows): decode() drops them
-            data = self._tail + b"".join([table[i] for i in token_ids if i < len(table)])
+    def _decode_bytes(self, data: bytes, final: bool = False) -> str:
+        """Byte-level path: UTF-8 of the pending bytes and data; an unfinished character waits in self._tail."""
+        data = self._tail + data
         text, used = codecs.utf_8_decode(data, "replace", final)
         self._tail = data[used:]
         return text
@@ -171,6 +168,14 @@ def earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
         if start >= 0 and (best is None or (start + len(stop), start) < (best[1] + len(best[0]), best[1])):
             best = (stop, start)
     return best
+
+
+def token_bytes(table: list[bytes], token_ids: Sequence[int]) -> bytes:
+    """The tokens' bytes; ids past the tokenizer's vocab (padded embedding rows) are dropped, as decode() does."""
+    try:
+        return b"".join([table[i] for i in token_ids])
+    except IndexError:
+        return b"".join([table[i] for i in token_ids if i < len(table)])
 
 
 def _decode_fn(tokenizer, skip_special_tokens: bool):

@@ -196,7 +196,8 @@ class LLMEngine:
         self.num_generation_tokens += len(sampled_seqs.seqs)
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
-        outputs, self.pending_outputs = self.pending_outputs + outputs, []
+        if self.pending_outputs:
+            outputs, self.pending_outputs = self.pending_outputs + outputs, []
         return outputs
 
     def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:

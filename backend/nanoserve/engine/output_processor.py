@@ -175,7 +175,7 @@ class OutputProcessor:
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
         if len(self.watched) == len(requests):  # every request is looked at (streamed, say)
-            rows, states = range(len(seqs)), list(map(requests.__getitem__, map(_request_id, seqs)))
+            rows, states = range(len(seqs)), [requests[seq.request_id] for seq in seqs]
         else:
             looked_at = stopping
             if self.watched:

@@ -272,7 +272,7 @@ class Scheduler:
         computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
         num_tokens += samples
-        seqs = list(compress(running, samples))
+        seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
