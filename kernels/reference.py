@@ -116,3 +116,21 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         c, s = cos[:, None, :].float(), sin[:, None, :].float()
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
     return rotate(q), rotate(k)
+
+
+def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                 token_slots: torch.Tensor, parts: list[tuple[int, int]]) -> None:
+    """y [T, out] += each token's adapter delta of x [T, in], in place. token_slots [T]: the token's adapter slot
+    (-1: none); lora_a [slots, len(parts) * rank, in], lora_b [slots, out, rank]; parts: (first output column,
+    size) of each sub-projection of a fused linear, whose A rows are i * rank .. (i + 1) * rank. The tokens of a
+    slot are one group (punica's SGMV segment): (x @ A.T) @ B.T, part by part."""
+    rank = lora_a.shape[1] // len(parts)
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = torch.nonzero(token_slots == slot).flatten()
+        shrunk = x.index_select(0, rows) @ lora_a[slot].T  # [n, parts * rank]
+        b = lora_b[slot]
+        delta = torch.cat([shrunk[:, i * rank:(i + 1) * rank] @ b[start:start + size].T
+                           for i, (start, size) in enumerate(parts)], dim=1)
+        y.index_add_(0, rows, delta)

@@ -4,9 +4,10 @@ share a step (punica's idea, SGMV's segments).
 Every adapter-capable linear keeps the weights of `num_slots` adapters stacked, one slot per adapter the device
 holds: A [slots, parts * max_rank, in] and B [slots, out, max_rank], a smaller rank zero-padded to max_rank and
 the adapter's scaling folded into B. A fused linear (q/k/v, gate/up) has one A and B per part: part i's A rows are
-i * max_rank .. (i + 1) * max_rank, its B rows are the part's output columns. A step's `LoRABatch` groups its
-tokens by slot; each group adds (x @ A.T) @ B.T to its rows of the linear's output, and tokens of the base model
-are in no group. Under tensor parallelism A and B are sharded like the weight: a column-parallel layer keeps all
+i * max_rank .. (i + 1) * max_rank, its B rows are the part's output columns. A step's `LoRABatch` holds each
+token's slot; each token adds (x @ A_slot.T) @ B_slot.T to its row of the linear's output, tokens of the base
+model (slot -1) nothing: kernels/lora.py on CUDA (punica's BGMV shape), else the torch reference, which groups
+the tokens by slot. Under tensor parallelism A and B are sharded like the weight: a column-parallel layer keeps all
 of A and its rows of B; a row-parallel one its columns of A and all of B, its partial delta summed by the layer's
 all-reduce with the partial output.
 """
@@ -19,25 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.kernels.reference import add_lora_ref
+from nanoserve.layers.activation import pick
 from nanoserve.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
                                      copy_checked)
 
 
 @dataclass
 class LoRABatch:
-    """One step's tokens grouped by adapter slot: (slot, token indices [n] int64, or None for every token)."""
-    groups: list[tuple[int, torch.Tensor | None]]
+    """One step's adapter slot of each token: token_slots [T] int64 on the device (-1: the base model)."""
+    token_slots: torch.Tensor
 
     @classmethod
     def of_tokens(cls, token_slots: np.ndarray, device: torch.device) -> LoRABatch | None:
         """From each token's adapter slot ([T], -1: the base model); None when no token has an adapter."""
-        groups = []
-        for slot in np.unique(token_slots).tolist():
-            if slot < 0:
-                continue
-            rows = np.flatnonzero(token_slots == slot)
-            groups.append((slot, None if len(rows) == len(token_slots) else torch.from_numpy(rows).to(device)))
-        return cls(groups) if groups else None
+        if not (token_slots >= 0).any():
+            return None
+        return cls(torch.from_numpy(token_slots).to(device))
 
 
 def output_parts(linear: LinearBase) -> list[int]:
@@ -83,15 +82,6 @@ class StackedLoRA(nn.Module):
             self.load_shard(self.b[slot], lora_b, shard_id)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
-        """y [T, out] += each token's adapter delta of x [T, in] (in place)."""
-        rank = self.max_rank
-        for slot, rows in batch.groups:
-            xs = x if rows is None else x.index_select(0, rows)
-            shrunk = xs @ self.a[slot].T  # [n, parts * rank]
-            b = self.b[slot]
-            delta = torch.cat([shrunk[:, i * rank:(i + 1) * rank] @ b[start:start + size].T
-                               for i, (start, size) in enumerate(self.parts)], dim=1)
-            if rows is None:
-                y += delta
-            else:
-                y.index_add_(0, rows, delta)
+        """y [T, out] += each token's adapter delta of x [T, in] (in place): the Triton kernel on CUDA."""
+        add_lora = pick("add_lora", add_lora_ref, x)
+        add_lora(y, x, self.a, self.b, batch.token_slots, self.parts)
