@@ -83,3 +83,24 @@ def test_a_parameter_the_whole_batch_shares_is_a_number():
     batch.update(out)
     batch.prepare(out)
     assert batch.sampling_metadata(torch.device("cpu")).temperatures == 0.5  # the odd one left
+
+
+def test_blocks_appended_to_several_rows_at_once_map_every_position():
+    """Rows that grow in one step (several blocks each, the last one past max_model_len) get the KV slots a
+    per-position reference computes from their block tables."""
+    batch = InputBatch(max_num_seqs=3, max_model_len=10, block_size=4)  # 3 blocks cover 12 positions
+    tables = {"a": [7], "b": [2, 5], "c": []}
+    first = step([0, 0, 0], [3, 6, 0], [False] * 3, new_seqs=[new(name, list(range(1, 11)), tables[name])
+                                                              for name in "abc"])
+    batch.update(first)
+    batch.prepare(first)
+    grown = {"a": [0, 9], "c": [4, 1, 3]}  # a: blocks 2 and 3; c: its first three
+    out = step([3, 6, 0], [7, 1, 10], [True] * 3, new_block_ids=[(0, grown["a"]), (2, grown["c"])])
+    batch.update(out)
+    for name, ids in grown.items():
+        tables[name] += ids
+    inputs = batch.prepare(out)
+    positions = [range(3, 10), range(6, 7), range(0, 10)]
+    expected = [tables[name][p // 4] * 4 + p % 4 for name, rows in zip("abc", positions) for p in rows]
+    assert inputs.slot_mapping.tolist() == expected
+    assert inputs.block_tables.tolist() == [tables["a"], tables["b"] + [0], tables["c"]]

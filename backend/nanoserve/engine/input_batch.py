@@ -5,11 +5,13 @@ never rebuilt from Python objects.
 A row's fixed-width data (its token ids, its block table and the KV cache slot of each of its positions, its
 sampling parameters) sits in a slot that the sequence keeps while it runs; `slots[row]` maps rows onto slots,
 so when a row leaves, the rows after it move up without moving their tables. A step's token ids and KV slots
-are then one `take` each from the flat tables, at index slot * max_model_len + position."""
+are then one `take` each from the flat tables, at index slot * width + position (width: max_model_len rounded up
+to whole blocks)."""
 from __future__ import annotations
 
 import math
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,14 +74,17 @@ class InputBatch:
         # the rows that sample in the step being run, in order: their slots, their lengths (tokens held before
         # the sampled one), and where the sampled tokens go in token_ids (they come with the next diff)
         self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
-        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        max_blocks = -(-max_model_len // block_size)
+        width = max_blocks * block_size  # every position a row's blocks can cover
+        self.token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
         self._flat_token_ids = self.token_ids.ravel()
         # the KV cache slot of every position a row's blocks cover (block_id * block_size + offset)
-        self.kv_slots = np.zeros((max_num_seqs, max_model_len), dtype=np.int32)
+        self.kv_slots = np.zeros((max_num_seqs, width), dtype=np.int32)
         self._flat_kv_slots = self.kv_slots.ravel()
-        self._row_start = np.arange(max_num_seqs, dtype=np.int64) * max_model_len  # per slot: its flat index 0
+        self._row_start = np.arange(max_num_seqs, dtype=np.int64) * width  # per slot: its flat index 0
+        self._block_offsets = np.arange(block_size, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
-        self.block_tables = np.zeros((max_num_seqs, -(-max_model_len // block_size)), dtype=np.int32)
+        self.block_tables = np.zeros((max_num_seqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_seqs
         self.temperature = np.ones(max_num_seqs, dtype=np.float32)
@@ -106,10 +111,13 @@ class InputBatch:
         self._next_token_index = self._next_token_index[:0]
         if out.finished_ids or out.preempted_ids:
             self._remove(out.finished_ids + out.preempted_ids)
+        rows, block_ids = [row for row, _ in out.new_block_ids], [ids for _, ids in out.new_block_ids]
         if out.new_seqs:
+            rows += range(len(self.slots), len(self.slots) + len(out.new_seqs))
+            block_ids += [new.block_ids for new in out.new_seqs]
             self.slots = np.concatenate([self.slots, [self._add(new) for new in out.new_seqs]]).astype(np.int64)
-        for row, block_ids in out.new_block_ids:
-            self._append_blocks(int(self.slots[row]), block_ids)
+        if rows:
+            self._append_blocks(self.slots[rows], block_ids)
         assert len(self.req_ids) == out.num_rows, "the batch's rows do not match the scheduler's"
 
     def _add(self, new: NewSequence) -> int:
@@ -118,7 +126,6 @@ class InputBatch:
         self.token_ids[slot, :len(new.token_ids)] = new.token_ids
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
         self.num_blocks[slot] = 0
-        self._append_blocks(slot, new.block_ids)
         params = self.params[slot] = new.sampling_params
         self.temperature[slot] = params.temperature
         self.top_k[slot] = params.top_k if params.top_k > 0 else _NO_TOP_K
@@ -137,13 +144,18 @@ class InputBatch:
             counter[getattr(self, name)[slot].item()] += 1
         return slot
 
-    def _append_blocks(self, slot: int, block_ids: list[int]) -> None:
-        start, end = int(self.num_blocks[slot]), int(self.num_blocks[slot]) + len(block_ids)
-        self.block_tables[slot, start:end] = block_ids
-        first = np.asarray(block_ids, dtype=np.int32)[:, None] * self.block_size  # each block's first KV slot
-        positions = self.kv_slots[slot, start * self.block_size:end * self.block_size]
-        positions[:] = (first + np.arange(self.block_size, dtype=np.int32)).ravel()[:len(positions)]
-        self.num_blocks[slot] = end
+    def _append_blocks(self, slots: np.ndarray, block_ids: list[list[int]]) -> None:
+        """Append block_ids[i] to the table of slots[i] (distinct slots), with the KV slots of the positions they
+        cover, in one numpy pass for all rows (past a block boundary every decoding row grows at once)."""
+        counts = np.fromiter(map(len, block_ids), np.int64, len(block_ids))
+        ids = np.fromiter(chain.from_iterable(block_ids), np.int64, int(np.add.reduce(counts)))
+        first_column = self.num_blocks[slots]
+        self.num_blocks[slots] = first_column + counts
+        block_slots = np.repeat(slots, counts)
+        columns = np.repeat(first_column - (counts.cumsum() - counts), counts) + np.arange(len(ids))
+        self.block_tables[block_slots, columns] = ids
+        positions = self._row_start[block_slots, None] + columns[:, None] * self.block_size + self._block_offsets
+        self._flat_kv_slots[positions] = ids[:, None] * self.block_size + self._block_offsets
 
     def _remove(self, request_ids: list[str]) -> None:
         rows = [self.req_ids.index(request_id) for request_id in request_ids]
