@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -19,7 +18,7 @@ if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.soak import engine_metrics  # noqa: E402
-from client.stream import grpc_inputs  # noqa: E402
+from client.stream import grpc_inputs, open_generate_stream  # noqa: E402
 
 MODELS = ["nanoserve", "nanoserve_tokens", "ensemble", "preprocessing", "postprocessing"]
 ENGINES = {"nanoserve": "nanoserve", "ensemble": "nanoserve_tokens"}  # served model -> its engine model
@@ -46,12 +45,8 @@ def start_grpc(server, model: str):
 
 
 def start_sse(server, model: str):
-    host, port = server.url_http.split(":")
-    connection = socket.create_connection((host, int(port)))
-    body = json.dumps({"text_input": "Hi", "stream": True, "sampling_parameters": json.dumps(PARAMS)}).encode()
-    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: %d\r\n\r\n%s" % (model.encode(), host.encode(), len(body), body))
-    return connection.close
+    body = {"text_input": "Hi", "stream": True, "sampling_parameters": json.dumps(PARAMS)}
+    return open_generate_stream(server.url_http, model, body).close
 
 
 def cancel_to_abort(server, model: str, start) -> float:

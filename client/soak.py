@@ -31,7 +31,7 @@ from pathlib import Path
 if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.stream import first_sse_event, first_value, grpc_inputs  # noqa: E402
+from client.stream import first_sse_event, first_value, grpc_inputs, open_generate_stream  # noqa: E402
 
 TEXT_MODEL, ENSEMBLE_MODEL = "nanoserve", "ensemble"
 ENGINE_MODELS = ("nanoserve", "nanoserve_tokens")
@@ -281,16 +281,10 @@ class Soak:
         self._note("cancelled")
 
     def _close_sse(self, rng) -> None:
-        import socket
-
-        host, port = self.server.url_http.split(":")
         model = rng.choice([TEXT_MODEL, ENSEMBLE_MODEL])
-        body = json.dumps({"text_input": rng.choice(PROMPTS), "stream": True, "id": self._request_id(),
-                           "sampling_parameters": json.dumps(self._long_params(rng))}).encode()
-        with socket.create_connection((host, int(port)), timeout=self.deadline) as connection:
-            connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: "
-                               b"application/json\r\nContent-Length: %d\r\n\r\n%s"
-                               % (model.encode(), host.encode(), len(body), body))
+        body = {"text_input": rng.choice(PROMPTS), "stream": True, "id": self._request_id(),
+                "sampling_parameters": json.dumps(self._long_params(rng))}
+        with open_generate_stream(self.server.url_http, model, body, timeout=self.deadline) as connection:
             first = first_sse_event(connection)
         if b"data:" not in first:
             self._note("errors", f"{model} SSE: {first[:200]!r}")

@@ -11,6 +11,7 @@ import argparse
 import http.client
 import json
 import queue
+import socket
 import sys
 import time
 import urllib.parse
@@ -133,6 +134,16 @@ def _sse_events(response):
         line = raw.decode().strip()
         if line.startswith("data:"):
             yield json.loads(line[len("data:"):])
+
+
+def open_generate_stream(url: str, model: str, body: dict, timeout: float | None = None) -> socket.socket:
+    """A /generate_stream request on a raw socket, so that closing it is a client going away mid-stream."""
+    host, port = url.split(":")
+    connection = socket.create_connection((host, int(port)), timeout=timeout)
+    data = json.dumps(body).encode()
+    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                       b"\r\nContent-Length: %d\r\n\r\n%s" % (model.encode(), host.encode(), len(data), data))
+    return connection
 
 
 def first_sse_event(connection) -> bytes:

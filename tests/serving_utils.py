@@ -7,7 +7,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import threading
 import time
 import urllib.error
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from client.stream import first_sse_event
+from client.stream import first_sse_event, open_generate_stream
 
 from triton_server import assert_nothing_left, running_server, tiny_repository
 
@@ -147,13 +146,8 @@ def http_post(server, path: str, body: dict) -> tuple[int, bytes]:
 def open_sse(server, model: str, body: dict):
     """A /generate_stream request on a raw connection, once its first event came: returns the function that
     closes the connection (a client going away mid-stream)."""
-    host, port = server.url_http.split(":")
-    connection = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    connection = open_generate_stream(server.url_http, model, body, timeout=TIMEOUT)
     try:  # closed on any failure too: a connection left open holds tritonserver's shutdown to its exit timeout
-        data = json.dumps(body).encode()
-        connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: %s\r\nContent-Type: "
-                           b"application/json\r\nContent-Length: %d\r\n\r\n%s"
-                           % (model.encode(), host.encode(), len(data), data))
         received = first_sse_event(connection)
         assert b"data:" in received, f"the server closed the stream before its first event: {received!r}"
     except BaseException:

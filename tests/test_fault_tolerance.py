@@ -5,7 +5,6 @@ stream the exit timeout would cut ends with an error event. Explicit model contr
 The tests run in file order: the last one shuts the server down."""
 import json
 import signal
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -14,6 +13,7 @@ import pytest
 from serving_utils import BACKEND_MODEL, collect, http_post, metrics_when, open_stream, sse_events, stream
 from triton_server import running_server, tiny_repository
 
+from client.stream import first_sse_event, open_generate_stream
 from nanoserve.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
@@ -135,16 +135,10 @@ def test_an_engine_that_keeps_failing_unloads_its_model_and_a_reload_serves_agai
 def test_a_stream_cut_by_shutdown_ends_with_an_error_event(server):
     """tritonserver drains HTTP for the exit timeout, then cuts the stream without telling the model; the model
     notices the drain and ends the stream with an error event first."""
-    host, port = server.url_http.split(":")
-    connection = socket.create_connection((host, int(port)), timeout=120)
-    body = json.dumps({"text_input": PROMPT, "parameters": {"stream": True, "ignore_eos": True}}).encode()
-    connection.sendall(b"POST /v2/models/%s/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                       b"\r\nContent-Length: %d\r\n\r\n%s" % (MODEL.encode(), len(body), body))
-    received = b""
-    while b"data:" not in received:  # the headers, then the first event
-        chunk = connection.recv(65536)
-        assert chunk, received
-        received += chunk
+    body = {"text_input": PROMPT, "parameters": {"stream": True, "ignore_eos": True}}
+    connection = open_generate_stream(server.url_http, MODEL, body, timeout=120)
+    received = first_sse_event(connection)
+    assert b"data:" in received, received
     server.process.send_signal(signal.SIGTERM)
     while not received.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
         chunk = connection.recv(65536)

@@ -1,6 +1,9 @@
 """Soak in CI (client/soak.py): 16 clients over every protocol and model, with cancelled streams, closed SSE
 connections, SIGKILLed client processes and bad input, on KV pools small enough to preempt. Nothing hangs, no valid
-request fails, repeated deterministic requests give one text, and the engines go back to idle."""
+request fails, repeated deterministic requests give one text, the engines go back to idle, and SIGTERM then unloads
+every model (the ensemble too) within the exit timeout."""
+import signal
+
 import pytest
 from triton_server import running_server, tiny_repository
 
@@ -11,8 +14,6 @@ REQUESTS_PER_CLIENT = 9  # each client sends every kind of request once
 
 
 def test_soak(qwen3_dir, tmp_path):
-    # Not the exit code on SIGTERM: after a mix like this one tritonserver 2.51 sometimes keeps a model alive until
-    # the exit timeout (docs/serving.md); the stop kills it then.
     repository = tiny_repository(tmp_path / "model_repository", qwen3_dir, soak.MODELS, **soak.ENGINE_ARGS)
     with running_server(repository, tmp_path, soak.MODELS, exit_timeout_secs=10) as server:
         report = soak.Soak(server, clients=16, deadline=240.0).run(requests_per_client=REQUESTS_PER_CLIENT)
@@ -23,3 +24,6 @@ def test_soak(qwen3_dir, tmp_path):
         assert report.cancelled == sum(report.sent[kind] for kind in ("cancel", "close_sse", "kill_client"))
         assert max(len(texts) for texts in report.texts.values()) == 1 and len(report.texts) < valid  # repeats
         assert report.preemptions > 0
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(60)
+        assert code == 0, f"tritonserver exited with {code}:\n{server.log_tail()}"
