@@ -13,6 +13,7 @@ the last sample to finish."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress, count
 from operator import attrgetter
 
 import numpy as np
@@ -74,7 +75,7 @@ class RequestState:
             self.prompt_logprobs = PromptLogprobs(prompt, [None] * len(prompt), [0] * len(prompt))
 
 
-_request_id = attrgetter("request_id")
+_watched = attrgetter("watched")
 
 
 class OutputProcessor:
@@ -87,6 +88,7 @@ class OutputProcessor:
         self.constrained: set[str] = set()  # the sequences with structured outputs (a grammar)
         # streamed sequences whose prompt logprobs go with their first output, by (request id, index)
         self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
+        self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -136,6 +138,7 @@ class OutputProcessor:
             self.watched.discard(sequence_id)
             self.constrained.discard(sequence_id)
             self.prompt_logprobs_due.pop((request_id, state.index), None)
+            self._rows = [], []
             done = self._sequence_done(state)
             if state.stream:
                 outputs.append(self._output(state, [], state.detokenizer.flush(), "abort", done))
@@ -171,39 +174,33 @@ class OutputProcessor:
         step, so its common path is written out here rather than split into calls."""
         if sampled.prompt_logprobs:
             self._add_prompt_logprobs(sampled.prompt_logprobs)
-        seqs, requests = sampled_seqs.seqs, self.requests
+        states = self._states(sampled_seqs.seqs)
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
-        if len(self.watched) == len(requests):  # every request is looked at (streamed, say)
-            rows, states = range(len(seqs)), [requests[seq.request_id] for seq in seqs]
-        else:
-            looked_at = stopping
-            if self.watched:
-                looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
-            rows = looked_at.nonzero()[0].tolist()
-            states = {row: requests[seqs[row].request_id] for row in rows}
-        if not rows:
-            return []
-        token_ids, logprobs, stopping, finished = sampled.token_ids.tolist(), sampled.logprobs.tolist(), \
-            stopping.tolist(), []
-        for row in rows:
-            seq, token_id, state = seqs[row], token_ids[row], states[row]
+        rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
+        if len(self.watched) < len(self.requests):  # else every row is looked at (all streamed, say)
+            looked_at = stopping | np.fromiter(map(_watched, states), bool, len(states)) if self.watched else stopping
+            if not looked_at.any():
+                return []
+            rows = compress(rows, looked_at.tolist())
+        finished = []
+        for state, token_id, logprob, may_stop, row in rows:
+            seq = state.seq
             new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
-                state.cumulative_logprob += logprobs[row]
+                state.cumulative_logprob += logprob
                 if state.wants_logprobs:
-                    new_logprobs, new_ranks = self._logprob_entry(state, token_id, logprobs[row],
-                                                                  sampled.top_logprobs[row])
+                    new_logprobs, new_ranks = self._logprob_entry(state, token_id, logprob, sampled.top_logprobs[row])
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
             reason, done = None, False
             grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
-            if stopping[row] or grammar_ends or detokenizer.stop_matched is not None:
+            if may_stop or grammar_ends or detokenizer.stop_matched is not None:
                 reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
                     self._finish_reason(state, token_id)
                 if reason is not None:
                     finished.append((seq, reason))
-                    del requests[seq.request_id]
+                    del self.requests[seq.request_id]
                     self.watched.discard(seq.request_id)
                     self.constrained.discard(seq.request_id)
                     done = self._sequence_done(state)
@@ -218,7 +215,17 @@ class OutputProcessor:
                                              new_ranks, state.index))
         if self.prompt_logprobs_due:
             self._attach_prompt_logprobs(outputs)
+        if finished:
+            self._rows = [], []  # a finished request's state is not kept alive
         return finished
+
+    def _states(self, seqs: list[Sequence]) -> list[RequestState]:
+        """The states of a step's sequences, in row order; kept until one of them finishes, as the next steps mostly
+        have the same rows (a sequence's state is the same object while it runs)."""
+        if seqs != self._rows[0]:
+            requests = self.requests
+            self._rows = seqs, [requests[seq.request_id] for seq in seqs]
+        return self._rows[1]
 
     def _attach_prompt_logprobs(self, outputs: list[RequestOutput]) -> None:
         """A streamed sequence's prompt logprobs go with its first output: they are complete once it samples."""
