@@ -184,11 +184,11 @@ def test_prefix_cache_cuts_prompt_tokens_computed_for_a_repeated_prompt(prefix_c
     plan = step(scheduler)
     if prefix_caching:
         assert rows(plan) == [("second", 32, 1)]
-        assert second.num_cached_tokens == 32 and scheduler.prefix_cache_hit_tokens == 32
+        assert second.num_cached_tokens == 32 and scheduler.block_manager.prefix_cache_hit_tokens == 32
         assert scheduler.prompt_tokens_computed == 34
     else:
         assert rows(plan) == [("second", 0, 33)]
-        assert second.num_cached_tokens == 0 and scheduler.prefix_cache_hit_tokens == 0
+        assert second.num_cached_tokens == 0 and scheduler.block_manager.prefix_cache_hit_tokens == 0
         assert scheduler.prompt_tokens_computed == 66
     run_to_completion(scheduler)
 

@@ -139,11 +139,13 @@ class OutputProcessor:
             self.constrained.discard(sequence_id)
             self.prompt_logprobs_due.pop((request_id, state.index), None)
             self._rows = [], []
-            done = self._sequence_done(state)
-            if state.stream:
-                outputs.append(self._output(state, [], state.detokenizer.flush(), "abort", done))
-            else:
+            done, seq = self._sequence_done(state), state.seq
+            if not state.stream:
                 outputs.append(self._final_output(state, "abort", done))
+                continue
+            outputs.append(RequestOutput(request_id, [], state.detokenizer.flush(), done, "abort",
+                                         seq.num_prompt_tokens, seq.num_output_tokens, state.cumulative_logprob, [],
+                                         seq.num_cached_tokens, index=state.index))
         return outputs
 
     def _sequence_done(self, state: RequestState) -> bool:
@@ -254,13 +256,6 @@ class OutputProcessor:
         if seq.num_tokens >= seq.max_num_tokens:
             return "length"
         return None
-
-    @staticmethod
-    def _output(state: RequestState, token_ids: list[int], delta: str, reason: str, done: bool) -> RequestOutput:
-        seq = state.seq
-        return RequestOutput(state.request_id, token_ids, delta, done, reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, state.cumulative_logprob, [], seq.num_cached_tokens,
-                             index=state.index)
 
     @staticmethod
     def _final_output(state: RequestState, reason: str, done: bool) -> RequestOutput:

@@ -72,10 +72,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def prefix_cache_hit_tokens(self) -> int:
-        return self.block_manager.prefix_cache_hit_tokens
-
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
