@@ -75,7 +75,7 @@ class RequestState:
             self.prompt_logprobs = PromptLogprobs(prompt, [None] * len(prompt), [0] * len(prompt))
 
 
-_watched = attrgetter("watched")
+_request_id = attrgetter("request_id")
 
 
 class OutputProcessor:
@@ -176,14 +176,19 @@ class OutputProcessor:
         step, so its common path is written out here rather than split into calls."""
         if sampled.prompt_logprobs:
             self._add_prompt_logprobs(sampled.prompt_logprobs)
-        states = self._states(sampled_seqs.seqs)
+        seqs = sampled_seqs.seqs
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
-        rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
-        if len(self.watched) < len(self.requests):  # else every row is looked at (all streamed, say)
-            looked_at = stopping | np.fromiter(map(_watched, states), bool, len(states)) if self.watched else stopping
+        looked_at = None  # every row is looked at (all streamed, say)
+        if len(self.watched) < len(self.requests):
+            looked_at = stopping
+            if self.watched:
+                looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
             if not looked_at.any():
                 return []
+        states = self._states(seqs)
+        rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
+        if looked_at is not None:
             rows = compress(rows, looked_at.tolist())
         finished = []
         for state, token_id, logprob, may_stop, row in rows:
