@@ -194,6 +194,24 @@ def test_vocab_parallel_embedding_and_lm_head(as_rank):
     torch.testing.assert_close(gathered, hidden @ table.T)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [0, 3, 70])
+def test_packed_cpu_weights_match_f_linear(dtype, tol, tokens):
+    """pack_cpu_weights moves the CPU matmuls to oneDNN; the results stay F.linear's, and the LM head is packed too."""
+    model = torch.nn.ModuleDict({"proj": ColumnParallelLinear(16, 24, bias=True), "down": RowParallelLinear(24, 16),
+                                 "head": ParallelLMHead(40, 16)}).to(dtype)
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape))
+    linear_mod.pack_cpu_weights(model)
+    assert all(m.packed_weight is not None for m in model.values())
+    x = torch.randn(tokens, 16, dtype=dtype)
+    for name, inputs in (("proj", x), ("down", torch.randn(tokens, 24, dtype=dtype)), ("head", x)):
+        module = model[name]
+        expected = F.linear(inputs.double(), module.weight.double(),
+                            None if getattr(module, "bias", None) is None else module.bias.double())
+        torch.testing.assert_close(module(inputs).double(), expected, atol=tol * 10, rtol=tol)
+
+
 def test_loader_shape_mismatch_is_named():
     layer = ColumnParallelLinear(4, 3, bias=False)
     with pytest.raises(ValueError, match="shape mismatch"):
