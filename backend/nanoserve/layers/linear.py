@@ -11,6 +11,8 @@ oneDNN's speed, and a weight reordered once spares each call the reorder.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,10 +60,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def pack_cpu_weights(model: nn.Module) -> None:
-    """Pack every linear layer's weight (LinearBase and the LM head), once its weights are loaded."""
+    """Pack every linear layer's weight (LinearBase and the LM head), once its weights are loaded. The packed copy
+    takes the place of a weight nothing else shares (a tied LM head's is the embedding's too), so the weights are
+    held once."""
+    uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
         if hasattr(module, "packed_weight"):
             module.packed_weight = pack_weight(module.weight)
+            if module.packed_weight is not None and uses[id(module.weight)] == 1:
+                module.weight.data = module.weight.data.new_empty(0)
 
 
 def divide(numerator: int, denominator: int) -> int:
