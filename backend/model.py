@@ -28,7 +28,7 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving import request as contract
-from nanoserve.serving.ensemble import cancel_target, token_formatter
+from nanoserve.serving.ensemble import cancel_target, ended_token_arrays, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
@@ -39,9 +39,9 @@ from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
-MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_formatter),
-    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter),
+MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer, a stream's early end)
+    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_formatter, None),
+    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter, ended_token_arrays),
 }
 
 
@@ -84,7 +84,7 @@ class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         config = auto_complete_model_config
-        inputs, outputs, _, _ = MODES[_mode(config.as_dict())]
+        inputs, outputs, _, _, _ = MODES[_mode(config.as_dict())]
         for tensor in inputs:
             config.add_input(tensor)
         for tensor in outputs:
@@ -105,7 +105,7 @@ class TritonPythonModel:
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
         every_step = is_true(_parameter(model_config, "send_every_step"))
-        _, _, prompt_field, make_formatter = MODES[self.mode]
+        _, _, prompt_field, make_formatter, ended_arrays = MODES[self.mode]
         self.name = args["model_name"]
         model_json = read_model_json(args["model_repository"], args["model_version"])
         engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
@@ -136,7 +136,7 @@ class TritonPythonModel:
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
                                         prompt_field, send_budget=send_budget, every_step=every_step,
                                         on_engine_failure=self._unload_failed_model,
-                                        shutdown_watch=self.shutdown_watch).start()
+                                        shutdown_watch=self.shutdown_watch, ended_arrays=ended_arrays).start()
         self._request_ids = itertools.count()
 
     def execute(self, requests):

@@ -194,6 +194,31 @@ def test_vocab_parallel_embedding_and_lm_head(as_rank):
     torch.testing.assert_close(gathered, hidden @ table.T)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [0, 3, 70])
+def test_packed_cpu_weights_match_f_linear(dtype, tol, tokens):
+    """pack_cpu_weights moves the CPU matmuls to oneDNN; the results stay F.linear's, and the LM head is packed too.
+    The packed copy replaces each weight (held once), except a tied LM head's, which the embedding still reads."""
+    model = torch.nn.ModuleDict({"proj": ColumnParallelLinear(16, 24, bias=True), "down": RowParallelLinear(24, 16),
+                                 "head": ParallelLMHead(40, 16), "tied": ParallelLMHead(40, 16),
+                                 "embed": VocabParallelEmbedding(40, 16)}).to(dtype)
+    model["tied"].weight = model["embed"].weight
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape))
+    weights = {name: module.weight.detach().clone() for name, module in model.items()}
+    linear_mod.pack_cpu_weights(model)
+    packed = ["proj", "down", "head", "tied"]
+    assert all(model[name].packed_weight is not None for name in packed)
+    assert [name for name in packed if model[name].weight.numel()] == ["tied"]
+    assert torch.equal(model["embed"].weight, weights["embed"])
+    x = torch.randn(tokens, 16, dtype=dtype)
+    for name, inputs in (("proj", x), ("down", torch.randn(tokens, 24, dtype=dtype)), ("head", x), ("tied", x)):
+        module = model[name]
+        expected = F.linear(inputs.double(), weights[name].double(),
+                            None if getattr(module, "bias", None) is None else module.bias.double())
+        torch.testing.assert_close(module(inputs).double(), expected, atol=tol * 10, rtol=tol)
+
+
 def test_loader_shape_mismatch_is_named():
     layer = ColumnParallelLinear(4, 3, bias=False)
     with pytest.raises(ValueError, match="shape mismatch"):

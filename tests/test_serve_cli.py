@@ -90,6 +90,8 @@ def edit_json(path: Path, **changes) -> None:
     (["{tmp}/missing"], "model: {tmp}/missing does not exist"),
     (["{tmp}"], "{tmp}/config.json: not found"),
     (["{ckpt}", "--served-model-name", "a/b"], "--served-model-name: 'a/b'"),
+    (["{ckpt}", "--liveness-timeout", "-1"], "--liveness-timeout: must be in [0, 86400] seconds, got -1"),
+    (["{ckpt}", "--liveness-timeout", "nan"], "--liveness-timeout: must be in [0, 86400] seconds, got nan"),
     (["{ckpt}", "--model-repository", "{tmp}"], "exclude each other"),
     ([], "MODEL: give a checkpoint directory"),
     (["{ckpt}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),

@@ -13,6 +13,7 @@ from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
                                        TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.engine_thread import StepResult
+from nanoserve.serving.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
 from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
                                          vllm_logprobs)
 
@@ -594,3 +595,28 @@ def test_the_last_request_in_flight_publishes_before_its_final_response():
     assert published[("set", "nanoserve_kv_blocks_used")] == 0
     assert published[("set", "nanoserve_requests_running")] == 0
     assert not thread.metrics.unpublished and thread._wait_time() is None  # idle: sleeps until the next event
+
+
+def test_a_token_stream_that_responded_ends_early_with_abort_not_an_error():
+    """Triton 2.51's ensemble never releases a request one of whose steps failed while a postprocessing of an
+    earlier response still ran: a token-model stream that already responded ends with a final response (no new
+    ids, finish_reason "abort") that the postprocessing parses as any other; one that has not responded yet may
+    still end with the error."""
+    thread = response_thread(FakeClock(), send_budget=1.0)
+    thread.pb, thread.ended_arrays = ErrorPb, ended_token_arrays
+    thread.formatter = lambda stream, outputs: token_arrays(stream, outputs)
+    senders = [RecordingSender() for _ in range(2)]
+    for i, sender in enumerate(senders):
+        request = parse(tokens=True, input_ids=np.array([5, 6, 7], np.int32), stream=np.array([True]))
+        thread.handle_events([Register(str(i), Stream(sender, request))])
+    thread.handle_events([StepResult(outputs=outputs_of("0", [(9, ""), (10, "")])[:1], time=100.0)])
+    thread.engine_thread.failure = "the engine thread died (RuntimeError: boom)"
+    thread.handle_events([])
+    (first, _), (last, flags) = senders[0].sent
+    assert first["error"] is None and first["output_ids"].tolist() == [9]
+    assert last["error"] is None and flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    parsed = DetokenizeRequest.parse(last.get, max_ids=64)
+    assert (parsed.new_ids, parsed.finish_reason, parsed.request_id) == ([], "abort", "0")
+    assert is_final(parsed.finish_reason) and parsed.params == json.loads(first["detokenize_params"][0])
+    [(response, flags)] = senders[1].sent
+    assert flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response["error"].code == "UNAVAILABLE"

@@ -4,14 +4,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-from serving_utils import TIMEOUT, collect, open_stream, stream
-from triton_server import (LOAD_TIMEOUT, child_pid, free_ports, group_members, http_ready, kill_group, shm_regions,
-                           tiny_repository)
+from serving_utils import BACKEND_MODEL, TIMEOUT, collect, open_stream, stream
+from triton_server import (LOAD_TIMEOUT, child_pid, free_ports, group_members, http_ready, kill_group,
+                           running_server, shm_regions, tiny_repository)
 
-from nanoserve.serving import supervisor
+from nanoserve.serving import liveness, supervisor
 from nanoserve.serving.launcher import STUB_NAME, processes
 
 
@@ -82,7 +83,13 @@ def wait_until(condition, timeout: float, cli) -> None:
 
 
 @pytest.mark.triton_server
-def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, tmp_path):
+@pytest.mark.parametrize("fault, reported", [
+    (signal.SIGKILL, "the stub of nanoserve_0_0 (pid {stub}) killed by signal 9; restarting tritonserver"),
+    # a stub that hangs whole: python_backend answers for it that it is not healthy, and nothing restarts it
+    (signal.SIGSTOP, "the stub of model nanoserve is not healthy; restarting tritonserver")])
+def test_a_killed_or_hung_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, tmp_path, fault, reported):
+    """The model's name comes from the repository (--model-repository): the supervisor asks the models whose
+    backend is nanoserve in text mode."""
     repository = tiny_repository(tmp_path / "model_repository", qwen3_dir)
     ports = free_ports(3)
     cli = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", "--model-repository", str(repository),
@@ -102,7 +109,7 @@ def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, t
         assert all(events.get(timeout=TIMEOUT)[1] is None for _, events in streams)
         stub = next(pid for pid, _, ppid, _ in processes()
                     if ppid == tritons[0] and supervisor.stub_instance(pid) == "nanoserve_0_0")
-        os.kill(stub, signal.SIGKILL)
+        os.kill(stub, fault)
         killed = time.monotonic()
         for client, events in streams:
             assert collect(events).error is not None  # not a hang: the old server went away
@@ -112,11 +119,11 @@ def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, t
         wait_until(lambda: http_ready(ports[0], "/v2/models/nanoserve/ready"), LOAD_TIMEOUT, cli)
         serving = time.monotonic() - killed
         assert stream(server, "nanoserve", text_input="Hi", sampling_parameters={"max_tokens": 4}).error is None
-        print(f"streams failed {failed:.1f} s and the model served again {serving:.1f} s after the kill")
+        print(f"streams failed {failed:.1f} s and the model served again {serving:.1f} s after {fault!r}")
         cli.send_signal(signal.SIGTERM)
         assert cli.wait(TIMEOUT) == 0
         output = "".join(banner) + cli.stdout.read()
-        assert "the stub of nanoserve_0_0" in output and "killed by signal 9; restarting tritonserver" in output
+        assert reported.format(stub=stub) in output
         assert all(group_members(pid) == [] for pid in tritons)
         assert shm_regions(f"triton_nanoserve_{cli.pid}_") == []
         assert "Fatal Python error" not in output
@@ -126,3 +133,58 @@ def test_a_killed_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, t
             kill_group(pid)
         cli.wait()
         cli.stdout.close()
+
+
+GREEDY = {"temperature": 0, "max_tokens": 8}
+FREEZE_PROMPT = "freeze the response thread"
+FREEZE_HOOK = f'''
+
+# ---- injected by tests/test_supervisor.py: a response thread that blocks for good, as in a frontend deadlock ----
+import threading as _threading
+
+from nanoserve.serving import responses as _responses
+
+_real_handle = _responses.ResponseThread._handle_request_event
+
+
+def _freezing_handle(self, event):
+    if isinstance(event, _responses.Register) and event.stream.request.prompt == {FREEZE_PROMPT!r}:
+        _threading.Event().wait()
+    return _real_handle(self, event)
+
+
+_responses.ResponseThread._handle_request_event = _freezing_handle
+'''
+
+
+@pytest.mark.triton_server
+def test_a_model_that_stops_answering_is_restarted(qwen3_dir, tmp_path):
+    """tritonserver 2.51's gRPC frontend can deadlock so that the stub's response thread blocks in send: the stub
+    is alive and healthy, and the model answers nothing. Here the response thread blocks on a marked request; the
+    liveness question gets no answer, the supervisor restarts tritonserver, and the model answers again."""
+    repository = tiny_repository(tmp_path / "model_repository", qwen3_dir)
+    config = repository / "nanoserve" / "config.pbtxt"
+    config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
+    (repository / "nanoserve" / "1" / "model.py").write_text(BACKEND_MODEL.read_text() + FREEZE_HOOK)
+    with running_server(repository, tmp_path, ["nanoserve"]) as server:
+        supervision, received, returned = supervisor.Supervisor(server, ["nanoserve"], liveness_timeout=5), [], []
+        watching = threading.Thread(target=lambda: returned.append(supervision.run(received)))
+        watching.start()
+        try:
+            before = stream(server, "nanoserve", text_input="Hi", sampling_parameters=GREEDY)
+            assert before.error is None and liveness.unanswered(server.url_http, "nanoserve", TIMEOUT) is None
+            frozen = open_stream(server, "nanoserve", text_input=FREEZE_PROMPT, stream=True)
+            assert collect(frozen[1]).error is not None  # not a hang: the old server went away
+            frozen[0].close()
+            deadline = time.monotonic() + TIMEOUT
+            while server.starts < 2:  # the restart's new tritonserver
+                assert time.monotonic() < deadline, "no restart"
+                time.sleep(0.1)
+            server.wait_ready(LOAD_TIMEOUT, models=["nanoserve"])
+            after = stream(server, "nanoserve", text_input="Hi", sampling_parameters=GREEDY)
+            assert after.error is None and after.text == before.text
+            assert server.starts == 2 and supervision.restarts and supervision.liveness.stuck is None
+        finally:
+            received.append(signal.SIGTERM)
+            watching.join(TIMEOUT)
+        assert returned == [True]  # the server was still up when the signal came

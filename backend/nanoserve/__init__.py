@@ -1,5 +1,9 @@
 """nanoserve: a small continuous-batching LLM engine, served through NVIDIA Triton Inference Server."""
-from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoserve.openmp import load_intel_openmp
+
+load_intel_openmp()  # before anything imports torch (see openmp.py)
+
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 
 def __getattr__(name):

@@ -16,6 +16,7 @@ from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
+from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
@@ -81,6 +82,7 @@ class ModelRunner:
             self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                           if config.enable_lora else None)
         load_weights(self.model, config.model)
+        pack_cpu_weights(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, eos_token_ids)
         self.sampler = Sampler(config.seed)

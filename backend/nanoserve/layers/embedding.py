@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, gather_last_dim, get_tp_rank, get_tp_size
-from nanoserve.layers.linear import copy_checked
+from nanoserve.layers.linear import copy_checked, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,8 +40,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab], complete on rank 0 (None on the other ranks)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.packed_weight: torch.Tensor | None = None  # set by layers.linear.pack_cpu_weights
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = gather_last_dim(F.linear(hidden, self.weight))
+        logits = gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))
         if logits is None:
             return None
         return logits[:, :self.num_embeddings] if self.tp_size > 1 else logits

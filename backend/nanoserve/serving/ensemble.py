@@ -117,6 +117,16 @@ def token_arrays(stream: Stream, outputs: list, special_ids: frozenset = frozens
             "request_id": string_array([output.request_id])}
 
 
+def ended_token_arrays(stream: Stream, request_id: str) -> dict:
+    """The last response of a token-model stream that ends early (a cancel it noticed itself, the engine's
+    failure, the exit timeout) after it responded: no new ids, finish_reason "abort". Not an error: Triton 2.51's
+    ensemble never releases a request one of whose steps failed while another (a postprocessing of an earlier
+    response) was still running, so the ensemble would never unload."""
+    return {"output_ids": np.zeros(0, dtype=np.int32), "context_ids": np.zeros(0, dtype=np.int32),
+            "finish_reason": string_array(["abort"]), "detokenize_params": stream.formatter_state.params,
+            "request_id": string_array([request_id])}
+
+
 def is_final(finish_reason: bytes | str) -> bool:
     """Whether a token model's finish_reason value ends the request ("None" before the last response)."""
     value = finish_reason.decode() if isinstance(finish_reason, bytes) else finish_reason

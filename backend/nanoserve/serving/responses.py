@@ -112,7 +112,8 @@ class ResponseThread:
 
     def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
-                 every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None):
+                 every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
+                 ended_arrays=None):
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
@@ -128,6 +129,9 @@ class ResponseThread:
         self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
         self._engine_failed = False
         self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
+        # ended_arrays(stream, request_id): the last response of a stream that fails after it responded, sent in
+        # place of the error (None: the error is sent)
+        self.ended_arrays = ended_arrays
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, list] = {}  # request_id -> its merged RequestOutputs not sent yet (merge_into)
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -342,13 +346,19 @@ class ResponseThread:
         stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _fail(self, request_id: str, message: str, code, finished: bool = False) -> None:
-        """End the request with an error; finished: the engine ended it (its metrics are recorded)."""
+        """End the request with an error (or ended_arrays); finished: the engine ended it (its metrics are
+        recorded)."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
         if finished:
             self._record_finished(stream)
-        self._send_error(stream.sender, message, code)
+        if stream.responded and self.ended_arrays is not None:
+            logger.warning("nanoserve: request %s ends early: %s", request_id, message)
+            stream.sender.send(self._response(self.ended_arrays(stream, request_id)),
+                               flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            self._send_error(stream.sender, message, code)
 
     def _record_finished(self, stream: Stream) -> None:
         """Before the last response is sent; the last request in flight also publishes every metric then, so a

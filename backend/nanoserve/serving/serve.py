@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.config import EngineConfig
-from nanoserve.serving import launcher, preflight, supervisor, triton_log
+from nanoserve.serving import launcher, liveness, preflight, supervisor, triton_log
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.serving.model_json import MULTI_LORA_JSON
 from nanoserve.serving.preflight import ConfigError
@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tritonserver's --log-verbose level")
     parser.add_argument("--exit-timeout-secs", type=int, default=10, metavar="SECONDS",
                         help="on SIGTERM, how long in-flight requests may finish before they are cut off")
+    parser.add_argument("--liveness-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="restart tritonserver when a model gives no answer to a request within this many "
+                             "seconds (asked every 5 s; 0: never)")
     parser.add_argument("--disable-auto-complete-config", action="store_true",
                         help="tritonserver's --disable-auto-complete-config")
     add_engine_flags(parser)
@@ -86,6 +89,8 @@ def prepare(args: argparse.Namespace, work_dir: Path) -> Plan:
     if args.openai_port:
         ports["--openai-port"] = args.openai_port
     preflight.check_ports(args.host, ports)
+    if not 0 <= args.liveness_timeout <= 86400:
+        raise ConfigError(f"--liveness-timeout: must be in [0, 86400] seconds, got {args.liveness_timeout:g}")
     if args.model_repository:
         return _existing_repository(args)
     if not args.model:
@@ -176,7 +181,8 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
             server.stop()
             print(f"nanoserve serve: error: --openai-port: {e}", file=sys.stderr)
             return 1
-        supervision = supervisor.Supervisor(server)
+        supervision = supervisor.Supervisor(server, plan.models or liveness.text_models(plan.repository),
+                                            args.liveness_timeout)
         _banner(args, server, plan, api, log_file)
         healthy = supervision.run(signals.received)
         if api is not None:

@@ -6,7 +6,7 @@ response. python_backend restarts no stub of a decoupled model, and reloading th
 does not help: the new version serves, but the old one keeps the in-flight requests' response factories, which
 only the dead stub could release, so it never unloads and SIGTERM ends in the exit timeout (exit code 1). A new
 tritonserver does help: the clients of the old one see their connection close (an error within seconds), and the
-models serve again once loaded.
+models serve again once loaded. A model that stops answering (serving/liveness.py) gets the same restart.
 
 A stub that exits is a zombie until its parent reaps it. tritonserver reaps the stubs it stops itself (an unload,
 a failed load) at once, so a stub that stays a zombie died on its own. A zombie has no command line, but keeps its
@@ -21,10 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanoserve.serving.launcher import STUB_NAME, TritonServer, processes
+from nanoserve.serving.liveness import Liveness
 
 CHECK_INTERVAL = 1.0  # seconds between looks at the stubs
 ZOMBIE_GRACE = 2.0  # seconds a stub stays a zombie before it counts as dead (tritonserver reaps its own at once)
 RESTART_GRACE = 5.0  # seconds the old tritonserver's other requests get to finish before its group is killed
+STUCK_GRACE = ZOMBIE_GRACE + 2 * CHECK_INTERVAL  # a dead stub's model is "not healthy" too: its own report first
 MAX_RESTARTS = 3  # within RESTART_WINDOW; a stub that keeps dying is left to the orchestrator (exit code 1)
 RESTART_WINDOW = 600.0
 
@@ -90,37 +92,52 @@ def wait_status(pid: int) -> int:
 
 
 class Supervisor:
-    """Restarts a running tritonserver whose stub died, at most MAX_RESTARTS times within RESTART_WINDOW. Made once
-    the models are ready, before clients are told to come: it reads which stub serves which model instance then."""
+    """Restarts a running tritonserver whose stub died or whose model stopped answering (`liveness_models`, asked
+    with a deadline of `liveness_timeout` seconds; 0: never), at most MAX_RESTARTS times within RESTART_WINDOW.
+    Made once the models are ready, before clients are told to come: it reads which stub serves which model
+    instance then."""
 
-    def __init__(self, server: TritonServer):
+    def __init__(self, server: TritonServer, liveness_models: list[str] = (), liveness_timeout: float = 0):
         self.server = server
-        self.watch = StubWatch(server.process.pid)
-        self.watch.dead()
+        self.liveness_models, self.liveness_timeout = list(liveness_models), liveness_timeout
+        self._watch()
         self.restarts: list[float] = []
 
-    def run(self, received: list[int]) -> bool:
-        """Until the server exits or a signal came (True), or stubs died too often (False)."""
-        next_check = time.monotonic() + CHECK_INTERVAL
-        while self.server.poll() is None and not received:
-            time.sleep(0.2)
-            if time.monotonic() >= next_check:
-                next_check = time.monotonic() + CHECK_INTERVAL
-                dead = self.watch.dead()
-                if dead and not self._restart(dead):
-                    return False
-        return True
+    def _watch(self) -> None:
+        self.watch = StubWatch(self.server.process.pid)
+        self.watch.dead()
+        self.liveness = Liveness(self.server.url_http, self.liveness_models, self.liveness_timeout).start()
 
-    def _restart(self, dead: list[DeadStub]) -> bool:
+    def run(self, received: list[int]) -> bool:
+        """Until the server exits or a signal came (True), or it had to be restarted too often (False)."""
+        next_check = time.monotonic() + CHECK_INTERVAL
+        try:
+            while self.server.poll() is None and not received:
+                time.sleep(0.2)
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + CHECK_INTERVAL
+                    failure = "; ".join(map(str, self.watch.dead())) or self._stuck()
+                    if failure and not self._restart(failure):
+                        return False
+            return True
+        finally:
+            self.liveness.stop()
+
+    def _stuck(self) -> str | None:
+        if self.liveness.stuck and time.monotonic() - self.liveness.stuck_since >= STUCK_GRACE:
+            return self.liveness.stuck
+        return None
+
+    def _restart(self, failure: str) -> bool:
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
-        what = "; ".join(map(str, dead))
         if len(self.restarts) > MAX_RESTARTS:
-            _say(f"{what}: {len(self.restarts)} stub deaths within {RESTART_WINDOW:.0f} s; stopping")
+            _say(f"{failure}: {len(self.restarts)} restarts within {RESTART_WINDOW:.0f} s; stopping")
             return False
-        _say(f"{what}; restarting tritonserver")
+        _say(f"{failure}; restarting tritonserver")
+        self.liveness.stop()
         self.server.restart(RESTART_GRACE)
-        self.watch = StubWatch(self.server.process.pid)
+        self._watch()
         return True
 
 

@@ -1,0 +1,81 @@
+"""`nanoserve serve` asks each model a question every few seconds, and a model that gives no answer in time is
+stuck: tritonserver 2.51's gRPC frontend can deadlock so that the stub's response thread blocks in
+`ResponseSender.send` forever, and from then on the model answers nothing while `/v2/health/ready` stays 200.
+
+The question is a request with `max_tokens` 0: the model rejects it (HTTP 400) from the same response thread that
+sends every answer, without the engine. So it is cheap, waits behind no queued request however busy the engine
+is, and its answer shows that the frontend and the stub's response path still work. A refused connection (a
+server starting or stopping) is no verdict either way.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
+PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": 0}).encode()
+_BACKEND = re.compile(r'^\s*backend:\s*"nanoserve"', re.M)
+_TOKENS_MODE = re.compile(r'key:\s*"mode"\s*value:\s*{\s*string_value:\s*"tokens"')
+
+
+class Liveness:
+    """Asks `models` (their text_input contract) in turn from a daemon thread; `stuck` says which model did not
+    answer (see `unanswered`), None while all answer."""
+
+    def __init__(self, url_http: str, models: list[str], timeout: float):
+        self.url_http, self.models, self.timeout = url_http, list(models), timeout
+        self.stuck: str | None = None
+        self.stuck_since = 0.0  # time.monotonic() when `stuck` was set
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nanoserve-liveness", daemon=True)
+
+    def start(self) -> "Liveness":
+        if self.models and self.timeout > 0:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(PROBE_INTERVAL):
+            for model in self.models:
+                why = unanswered(self.url_http, model, self.timeout)
+                if why and not self._stop.is_set():
+                    self.stuck_since, self.stuck = time.monotonic(), why
+                    return
+
+
+def unanswered(url_http: str, model: str, timeout: float) -> str | None:
+    """Why the model did not answer the question (None: it did). It did not when it took the question and gave no
+    answer within `timeout` seconds, or when tritonserver answered for it that its stub is not healthy (a stub that
+    hangs whole, or was stopped)."""
+    request = urllib.request.Request(f"http://{url_http}/v2/models/{model}/generate", data=PROBE,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            response.read()
+    except urllib.error.HTTPError as e:
+        with e:  # an error answer is an answer, but not python_backend's for a stub it gave up on
+            body = e.read()
+        return f"the stub of model {model} is not healthy" if b"is not healthy" in body else None
+    except (TimeoutError, socket.timeout):
+        return f"model {model} answered no request within {timeout:g} s"
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+            return f"model {model} answered no request within {timeout:g} s"
+    except ConnectionError:
+        pass  # a server going away: the supervisor sees it exit
+    return None
+
+
+def text_models(repository: Path) -> list[str]:
+    """The models of a repository that the nanoserve backend serves as text models (not the token-level engine)."""
+    return sorted(config.parent.name for config in Path(repository).glob("*/config.pbtxt")
+                  if _BACKEND.search(text := config.read_text()) and not _TOKENS_MODE.search(text))

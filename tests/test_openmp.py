@@ -1,0 +1,28 @@
+"""nanoserve/openmp.py: `import nanoserve` before torch puts Intel OpenMP under torch, and only then."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve.openmp import intel_openmp_path
+
+PROBE = ("import {first}, {second}, torch\n"
+         "a = torch.randn(300, 300, dtype=torch.float64)\n"
+         "torch.set_num_threads(2)\n"
+         "assert torch.allclose(torch.mm(a, a), (a[:, :, None] * a[None]).sum(1))\n"
+         "assert abs(float(a.exp().sum()) - float(sum(a.exp().flatten().tolist()))) < 1e-6 * a.numel()\n"
+         "print('libiomp5' in open('/proc/self/maps').read())")
+
+
+def _loads_iomp(first: str, second: str, **env) -> bool:
+    out = subprocess.run([sys.executable, "-c", PROBE.format(first=first, second=second)], capture_output=True,
+                         text=True, check=True, env={**os.environ, **env})
+    return out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(intel_openmp_path() is None, reason="the intel-openmp package is not installed")
+def test_intel_openmp_only_when_nanoserve_comes_first():
+    assert _loads_iomp("nanoserve", "sys")  # and torch's parallel ops still compute right under it
+    assert not _loads_iomp("nanoserve", "sys", NANOSERVE_INTEL_OPENMP="0")
+    assert not _loads_iomp("torch", "nanoserve")  # torch already holds libgomp: never two runtimes
