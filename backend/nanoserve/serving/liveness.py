@@ -9,6 +9,7 @@ server starting or stopping) is no verdict either way.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import socket
@@ -70,7 +71,7 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
     except urllib.error.URLError as e:
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             return f"model {model} answered no request within {timeout:g} s"
-    except ConnectionError:
+    except (ConnectionError, http.client.HTTPException):
         pass  # a server going away: the supervisor sees it exit
     return None
 
