@@ -13,6 +13,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.serving.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
                                         context_size, decode_delta, is_final, special_token_ids, token_arrays)
+from nanoserve.serving import liveness
 from nanoserve.serving.request import ParsedRequest
 from nanoserve.serving.responses import Stream
 
@@ -368,3 +369,10 @@ def test_postprocessing_called_with_junk_is_invalid_arg_naming_the_input(server)
         status, body = http_post(server, "/v2/models/postprocessing/infer", {"inputs": inputs})
         assert status == 400 and field in json.loads(body)["error"], (overrides, status, body)
     assert is_ready(server)
+
+
+@pytest.mark.triton_server
+def test_liveness_asks_no_model_of_the_ensemble(server):
+    """The token model takes another request than the liveness question, and the ensemble and its pre- and
+    postprocessing are not nanoserve text models: `nanoserve serve` asks the ensemble by name instead."""
+    assert liveness.text_models(server.url_http) == []

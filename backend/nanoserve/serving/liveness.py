@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
+
+from nanoserve.serving.request import is_text_model
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
 PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": 0}).encode()
-_BACKEND = re.compile(r'^\s*backend:\s*"nanoserve"', re.M)
-_TOKENS_MODE = re.compile(r'key:\s*"mode"\s*value:\s*{\s*string_value:\s*"tokens"')
 
 
 class Liveness:
@@ -62,21 +59,31 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             response.read()
+        return None
     except urllib.error.HTTPError as e:
         with e:  # an error answer is an answer, but not python_backend's for a stub it gave up on
             body = e.read()
         return f"the stub of model {model} is not healthy" if b"is not healthy" in body else None
-    except (TimeoutError, socket.timeout):
-        return f"model {model} answered no request within {timeout:g} s"
+    except TimeoutError:
+        timed_out = True
     except urllib.error.URLError as e:
-        if isinstance(e.reason, (TimeoutError, socket.timeout)):
-            return f"model {model} answered no request within {timeout:g} s"
+        timed_out = isinstance(e.reason, TimeoutError)
     except (ConnectionError, http.client.HTTPException):
-        pass  # a server going away: the supervisor sees it exit
-    return None
+        timed_out = False  # a server going away: the supervisor sees it exit
+    return f"model {model} answered no request within {timeout:g} s" if timed_out else None
 
 
-def text_models(repository: Path) -> list[str]:
-    """The models of a repository that the nanoserve backend serves as text models (not the token-level engine)."""
-    return sorted(config.parent.name for config in Path(repository).glob("*/config.pbtxt")
-                  if _BACKEND.search(text := config.read_text()) and not _TOKENS_MODE.search(text))
+def text_models(url_http: str) -> list[str]:
+    """The ready models of a running tritonserver that are nanoserve text models, as Triton reports their
+    configs (the token-level engine takes another request); none when its HTTP endpoint does not answer."""
+    try:
+        ready = [model["name"] for model in _triton_json(url_http, "/v2/repository/index", data=b"{}")
+                 if model.get("state") == "READY"]
+        return sorted(name for name in ready if is_text_model(_triton_json(url_http, f"/v2/models/{name}/config")))
+    except (OSError, http.client.HTTPException, ValueError):
+        return []
+
+
+def _triton_json(url_http: str, path: str, data: bytes | None = None):
+    with urllib.request.urlopen(f"http://{url_http}{path}", data=data, timeout=30) as response:
+        return json.loads(response.read())

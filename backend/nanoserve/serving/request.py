@@ -56,6 +56,12 @@ TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_I
 TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
 # mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
 # precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
+def is_text_model(config: dict) -> bool:
+    """Whether a Triton model config (as Triton reports it) is nanoserve's text model: TEXT_INPUTS -> TEXT_OUTPUTS."""
+    mode = config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"
+    return config.get("backend") == "nanoserve" and mode == "text"
+
+
 TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
 TOKEN_OUTPUTS = [
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},

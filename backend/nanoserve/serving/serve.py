@@ -181,7 +181,7 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
             server.stop()
             print(f"nanoserve serve: error: --openai-port: {e}", file=sys.stderr)
             return 1
-        supervision = supervisor.Supervisor(server, plan.models or liveness.text_models(plan.repository),
+        supervision = supervisor.Supervisor(server, plan.models or liveness.text_models(server.url_http),
                                             args.liveness_timeout)
         _banner(args, server, plan, api, log_file)
         healthy = supervision.run(signals.received)

@@ -12,11 +12,7 @@ from transformers import AutoTokenizer
 
 from nanoserve.serving.model_json import lora_modules, tokenizer_dir
 from nanoserve.serving.openai_api.errors import APIError
-
-
-def is_text_model(config: dict) -> bool:
-    mode = config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"
-    return config.get("backend") == "nanoserve" and mode == "text"
+from nanoserve.serving.request import is_text_model
 
 
 @dataclass
