@@ -28,12 +28,13 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving import request as contract
-from nanoserve.serving.ensemble import cancel_target, ended_token_arrays, token_formatter
+from nanoserve.serving.control import Drain, control_event
+from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
                                           reports_vllm_metrics)
-from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, CancelById, Register, Reject, ResponseThread, Stream,
+from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
                                          text_formatter)
 from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
 
@@ -138,6 +139,7 @@ class TritonPythonModel:
                                         on_engine_failure=self._unload_failed_model,
                                         shutdown_watch=self.shutdown_watch, ended_arrays=ended_arrays).start()
         self._request_ids = itertools.count()
+        self.draining = False  # a drain control came: every new request is refused
 
     def execute(self, requests):
         for request in requests:
@@ -151,9 +153,14 @@ class TritonPythonModel:
             self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
             return
         try:
-            target = cancel_target(request.parameters())
-            if target is not None:  # a control request: cancel the requests with that id
-                self.events.put(CancelById(sender, target))
+            control = control_event(request.parameters(), sender, self.responses.clock())
+            if control is not None:
+                self.draining = self.draining or isinstance(control, Drain)
+                self.events.put(control)
+                return
+            if self.draining:
+                self.events.put(Reject(sender, "the server is shutting down: the model takes no new request",
+                                       code="UNAVAILABLE"))
                 return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),

@@ -406,9 +406,11 @@ def main(argv=None) -> int:
         print(f"soak: {args.clients} clients for {args.minutes:g} min; tritonserver log {server.log_path}",
               flush=True)
         report = Soak(server, args.clients, args.seed, args.deadline).run(seconds=args.minutes * 60)
+        undrained = server.drain(server.exit_timeout_secs)  # as `nanoserve serve` stops (serving/drain.py)
         code = server.stop()
-    print(report.summary() + f"tritonserver exit code {code} after SIGTERM")
-    failures = report.failures() + ([] if code == 0 else [f"tritonserver exited with {code}"])
+    print(report.summary() + f"tritonserver exit code {code} after the drain and SIGTERM")
+    failures = report.failures() + [f"drain: {line}" for line in undrained]
+    failures += [] if code == 0 else [f"tritonserver exited with {code}"]
     for failure in failures:
         print(f"FAIL {failure}")
     return 1 if failures else 0

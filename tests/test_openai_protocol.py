@@ -108,6 +108,7 @@ def test_stream_events_and_the_whole_response_agree():
     ("the model is being unloaded", 503, None),
     ("the model is unavailable: the engine thread died (RuntimeError: x)", 503, None),
     ("the server is shutting down: its exit timeout ends this request", 503, None),
+    ("the server is shutting down: the model takes no new request", 503, None),
     ("Request for unknown model: 'x' is not found", 404, "model"),
 ])
 def test_triton_errors_become_http_errors(message, status, param):

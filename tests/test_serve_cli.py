@@ -92,6 +92,7 @@ def edit_json(path: Path, **changes) -> None:
     (["{ckpt}", "--served-model-name", "a/b"], "--served-model-name: 'a/b'"),
     (["{ckpt}", "--liveness-timeout", "-1"], "--liveness-timeout: must be in [0, 86400] seconds, got -1"),
     (["{ckpt}", "--liveness-timeout", "nan"], "--liveness-timeout: must be in [0, 86400] seconds, got nan"),
+    (["{ckpt}", "--exit-timeout-secs", "-1"], "--exit-timeout-secs: must be in [0, 3600] seconds, got -1"),
     (["{ckpt}", "--model-repository", "{tmp}"], "exclude each other"),
     ([], "MODEL: give a checkpoint directory"),
     (["{ckpt}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),

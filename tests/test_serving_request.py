@@ -6,12 +6,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.engine.model_runner import PromptLogprobs
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
                                        TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
+from nanoserve.serving.control import MAX_DRAIN_SECONDS, CancelById, Drain, control_event
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
 from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
@@ -620,3 +623,78 @@ def test_a_token_stream_that_responded_ends_early_with_abort_not_an_error():
     assert is_final(parsed.finish_reason) and parsed.params == json.loads(first["detokenize_params"][0])
     [(response, flags)] = senders[1].sent
     assert flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response["error"].code == "UNAVAILABLE"
+
+
+# ---- control requests: cancel_request_id and drain_seconds ------------------------------------------------
+def test_a_control_is_named_by_its_parameter_and_a_bad_value_names_it():
+    assert control_event('{"cancel_request_id": "m-3"}', "s", now=5.0) == CancelById("s", "m-3")
+    assert control_event('{"drain_seconds": 2.5}', "s", now=5.0) == Drain("s", 7.5)
+    for not_a_control in ['{"max_tokens": 4}', "not json", "", '{"drain": 1}']:
+        assert control_event(not_a_control, "s", now=0.0) is None  # the request parser's to judge
+    for bad in ['{"cancel_request_id": ""}', '{"cancel_request_id": 7}']:
+        with pytest.raises(ValueError, match="cancel_request_id"):
+            control_event(bad, "s", now=0.0)
+
+
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(), st.booleans(), st.none(),
+                 st.text(max_size=4), st.lists(st.integers(), max_size=2)))
+def test_drain_seconds_is_a_number_in_its_range_or_an_error_naming_it(value):
+    try:
+        event = control_event(json.dumps({"drain_seconds": value}), "s", now=0.0)
+    except ValueError as e:
+        assert str(e).startswith("drain_seconds: expected seconds in [0, 3600]")
+        assert not (type(value) in (int, float) and 0 <= value <= MAX_DRAIN_SECONDS)
+    else:
+        assert type(value) in (int, float) and 0 <= value <= MAX_DRAIN_SECONDS and event.deadline == value
+
+
+def drain_answers(sender) -> int:
+    """Final responses without outputs or error."""
+    return sum(1 for response, flags in sender.sent if response == {"error": None} and flags)
+
+
+def test_a_drain_is_answered_when_the_last_stream_ends():
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=1.0)
+    thread.pb = ErrorPb
+    sender, drain = RecordingSender(), RecordingSender()
+    thread.handle_events([Register("a", Stream(sender, parse(text_input=text("Hi"), stream=np.array([True])))),
+                          Drain(drain, deadline=clock.now + 10)])
+    outputs = outputs_of("a", [(5, "x"), (6, "y")])
+    thread.handle_events([StepResult(outputs=outputs[:1], time=clock.now)])
+    assert drain.sent == []  # the stream still runs
+    clock.now += 5
+    thread.handle_events([StepResult(outputs=outputs[1:], time=clock.now)])
+    assert sender.sent[-1][1] and sender.sent[-1][0]["error"] is None  # it ended as it would have
+    assert drain_answers(drain) == 1 and not thread.drains
+    idle = RecordingSender()
+    thread.handle_events([Drain(idle, deadline=clock.now + 10)])
+    assert drain_answers(idle) == 1  # nothing in flight: answered at once
+
+
+def test_at_the_drain_deadline_streams_end_token_ones_with_abort():
+    """What is left at the deadline is aborted in the engine (blocks freed) and ended: a token stream that
+    responded with finish_reason "abort" (the ensemble then ends cleanly), the others with UNAVAILABLE."""
+    clock = FakeClock()
+    thread = response_thread(clock, send_budget=1.0)
+    thread.pb, thread.ended_arrays = ErrorPb, ended_token_arrays
+    thread.formatter = lambda stream, outputs: token_arrays(stream, outputs)
+    aborted = []
+    thread.engine_thread = SimpleNamespace(abort=aborted.append, failure=None)
+    senders, drain = [RecordingSender() for _ in range(2)], RecordingSender()
+    for i, sender in enumerate(senders):
+        request = parse(tokens=True, input_ids=np.array([5, 6, 7], np.int32), stream=np.array([True]))
+        thread.handle_events([Register(str(i), Stream(sender, request))])
+    thread.handle_events([StepResult(outputs=outputs_of("0", [(9, ""), (10, "")])[:1], time=clock.now),
+                          Drain(drain, deadline=clock.now + 10)])
+    clock.now += 9.9
+    thread.handle_events([])
+    assert drain.sent == [] and aborted == []
+    clock.now += 0.1
+    thread.handle_events([])
+    assert sorted(aborted) == ["0", "1"] and not thread.streams and drain_answers(drain) == 1
+    last, flags = senders[0].sent[-1]
+    assert flags and last["error"] is None
+    assert DetokenizeRequest.parse(last.get, max_ids=64).finish_reason == "abort"
+    [(response, flags)] = senders[1].sent
+    assert flags and response["error"].code == "UNAVAILABLE" and "drain" in response["error"].message

@@ -37,7 +37,6 @@ from nanoserve.serving.responses import (Entry, Generated, Stream, accumulate, f
                                          string_array, token_decoder)
 
 CONTEXT_IDS = 16
-CANCEL_PARAMETER = "cancel_request_id"  # a control request's parameter: the request_id output of the one to cancel
 CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled
 
 
@@ -165,21 +164,6 @@ def engine_max_prompt_bytes(args: dict, tokenizer) -> int | None:
     before it tokenizes; the engine checks the exact length."""
     max_model_len = max_model_len_bound(engine_dir(args))
     return None if max_model_len is None else max_prompt_bytes(tokenizer, max_model_len)
-
-
-def cancel_target(parameters: str) -> str | None:
-    """The request id a control request cancels (parameter CANCEL_PARAMETER); None for every other request (whose
-    parameters, even invalid ones, are the request parser's to judge)."""
-    try:
-        values = json_object("parameters", parameters)
-    except ValueError:
-        return None
-    if CANCEL_PARAMETER not in values:
-        return None
-    target = values[CANCEL_PARAMETER]
-    if not isinstance(target, str) or not target:
-        raise ValueError(f"{CANCEL_PARAMETER}: expected a non-empty request id, got {target!r}")
-    return target
 
 
 # ---- postprocessing side --------------------------------------------------------------------------------

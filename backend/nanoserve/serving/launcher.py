@@ -32,6 +32,7 @@ from pathlib import Path
 
 from nanoserve.cache import build_once, default_cache_dir
 from nanoserve.tiny_model import build_tiny_model
+from nanoserve.serving import drain, liveness
 
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
@@ -244,6 +245,11 @@ class TritonServer:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
+
+    def drain(self, seconds: float, received: list[int] = ()) -> list[str]:
+        """Before stop(): the engine models' requests in flight get up to `seconds` to finish, new ones are refused
+        (serving/drain.py). Returns why a model was not drained, one line each."""
+        return drain.drain(self.url_http, liveness.engine_models(self.url_http), seconds, received)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int | None:
         """Forward sig, wait for a graceful exit (default: exit timeout + 15 s), then kill the whole process

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.request import is_text_model
+from nanoserve.serving.request import engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
 PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": 0}).encode()
@@ -74,14 +74,20 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
 
 
 def text_models(url_http: str) -> list[str]:
-    """The ready models of a running tritonserver that are nanoserve text models, as Triton reports their
-    configs (the token-level engine takes another request); none when its HTTP endpoint does not answer."""
+    """The ready nanoserve text models of a running tritonserver (the token-level engine takes another request)."""
+    return sorted(name for name, mode in engine_models(url_http).items() if mode == "text")
+
+
+def engine_models(url_http: str) -> dict[str, str]:
+    """The ready nanoserve models of a running tritonserver and their modes, as Triton reports their configs; none
+    when its HTTP endpoint does not answer."""
     try:
         ready = [model["name"] for model in _triton_json(url_http, "/v2/repository/index", data=b"{}")
                  if model.get("state") == "READY"]
-        return sorted(name for name in ready if is_text_model(_triton_json(url_http, f"/v2/models/{name}/config")))
+        modes = {name: engine_mode(_triton_json(url_http, f"/v2/models/{name}/config")) for name in ready}
     except (OSError, http.client.HTTPException, ValueError):
-        return []
+        return {}
+    return {name: mode for name, mode in modes.items() if mode is not None}
 
 
 def _triton_json(url_http: str, path: str, data: bytes | None = None):

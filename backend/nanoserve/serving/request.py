@@ -56,10 +56,16 @@ TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_I
 TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
 # mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
 # precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
+def engine_mode(config: dict) -> str | None:
+    """A Triton model config's (as Triton reports it) nanoserve mode: "text" (TEXT_INPUTS -> TEXT_OUTPUTS) or
+    "tokens" (TOKEN_INPUTS -> TOKEN_OUTPUTS); None for a model of another backend."""
+    if config.get("backend") != "nanoserve":
+        return None
+    return config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"
+
+
 def is_text_model(config: dict) -> bool:
-    """Whether a Triton model config (as Triton reports it) is nanoserve's text model: TEXT_INPUTS -> TEXT_OUTPUTS."""
-    mode = config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"
-    return config.get("backend") == "nanoserve" and mode == "text"
+    return engine_mode(config) == "text"
 
 
 TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]

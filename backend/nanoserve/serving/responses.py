@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nanoserve.serving.control import CancelById, Drain
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.request import ParsedRequest, name_prompt_input
@@ -78,16 +79,6 @@ class Reject:
     code: str = "INVALID_ARG"  # the TritonError code's name
 
 
-@dataclass
-class CancelById:
-    """A control request (parameter CANCEL_PARAMETER of serving/ensemble.py): cancel this model's request request_id
-    (the request_id output of its responses; it ends with finish_reason "abort"), then answer with an empty FINAL
-    response. The ensemble's postprocessing sends it for a client that cancelled: Triton's ensemble scheduler does not
-    pass a cancel on to a decoupled step that is already running."""
-    sender: object
-    request_id: str
-
-
 STOP = object()
 DEFAULT_SEND_BUDGET = 0.1
 CANCEL_CHECKS_PER_ROUND = 8  # 64 streams: each asked every 0.8 s
@@ -132,6 +123,7 @@ class ResponseThread:
         # ended_arrays(stream, request_id): the last response of a stream that fails after it responded, sent in
         # place of the error (None: the error is sent)
         self.ended_arrays = ended_arrays
+        self.drains: list[Drain] = []  # drain controls to answer once every stream has ended
         self.streams: dict[str, Stream] = {}
         self.pending: dict[str, list] = {}  # request_id -> its merged RequestOutputs not sent yet (merge_into)
         self._next_flush = 0.0  # clock() before which only first and last responses are sent
@@ -156,12 +148,13 @@ class ResponseThread:
             pass
         for request_id in list(self.streams):
             self._fail(request_id, "the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
+        self._check_drained()
 
     def handle_events(self, events: list) -> bool:
         """One round of the loop (called directly by tests); True when STOP came."""
         stopping = any(event is STOP for event in events)
         for event in events:  # requests first: the steps below may hold their first outputs
-            if isinstance(event, (Register, Reject, CancelById)):
+            if isinstance(event, (Register, Reject, CancelById, Drain)):
                 self._guarded(self._handle_request_event, event)
         steps = [event for event in events if isinstance(event, StepResult)]
         if steps:
@@ -169,6 +162,7 @@ class ResponseThread:
         self._guarded(self._flush, stopping)
         self._guarded(self._check_engine)
         self._guarded(self._check_shutdown)
+        self._guarded(self._check_drained)
         self._guarded(self._check_cancelled)
         self._guarded(self._publish_metrics, stopping)
         return stopping
@@ -189,6 +183,8 @@ class ResponseThread:
                 self.streams[event.request_id].abort_with_final = True
                 self._cancel(event.request_id, "was cancelled by a control request")
             event.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        elif isinstance(event, Drain):
+            self.drains.append(event)
         else:
             self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
 
@@ -279,6 +275,18 @@ class ResponseThread:
         deadline = None if self.shutdown_watch is None else self.shutdown_watch.deadline
         if deadline is not None and self.clock() >= deadline:
             self._end_all("the server is shutting down: its exit timeout ends this request")
+
+    def _check_drained(self) -> None:
+        """Answer the drain controls once no stream is left; at the earliest one's deadline, end those left (a token
+        stream that responded ends with finish_reason "abort", see ended_arrays)."""
+        if not self.drains:
+            return
+        if self.streams and self.clock() >= min(drain.deadline for drain in self.drains):
+            self._end_all("the server is shutting down: its drain deadline ends this request")
+        if not self.streams:
+            for drain in self.drains:  # a response, not just the flag: HTTP /generate expects one
+                drain.sender.send(self._response({}), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.drains = []
 
     def _end_all(self, message: str) -> None:
         for request_id in list(self.streams):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nanoserve.config import EngineConfig
 from nanoserve.serving import launcher, liveness, preflight, supervisor, triton_log
+from nanoserve.serving.control import MAX_DRAIN_SECONDS
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.serving.model_json import MULTI_LORA_JSON
 from nanoserve.serving.preflight import ConfigError
@@ -64,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",
                         help="tritonserver's --log-verbose level")
     parser.add_argument("--exit-timeout-secs", type=int, default=10, metavar="SECONDS",
-                        help="on SIGTERM, how long in-flight requests may finish before they are cut off")
+                        help="on SIGTERM, how long in-flight requests may take to finish before they are ended "
+                             "(0-3600)")
     parser.add_argument("--liveness-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="restart tritonserver when a model gives no answer to a request within this many "
                              "seconds (asked every 5 s; 0: never)")
@@ -91,6 +93,9 @@ def prepare(args: argparse.Namespace, work_dir: Path) -> Plan:
     preflight.check_ports(args.host, ports)
     if not 0 <= args.liveness_timeout <= 86400:
         raise ConfigError(f"--liveness-timeout: must be in [0, 86400] seconds, got {args.liveness_timeout:g}")
+    if not 0 <= args.exit_timeout_secs <= MAX_DRAIN_SECONDS:  # the drain's too (serving/drain.py)
+        raise ConfigError(f"--exit-timeout-secs: must be in [0, {MAX_DRAIN_SECONDS:g}] seconds, "
+                          f"got {args.exit_timeout_secs}")
     if args.model_repository:
         return _existing_repository(args)
     if not args.model:
@@ -185,6 +190,8 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
                                             args.liveness_timeout)
         _banner(args, server, plan, api, log_file)
         healthy = supervision.run(signals.received)
+        if healthy and signals.received and server.poll() is None:
+            _drain(server, args.exit_timeout_secs, signals.received)
         if api is not None:
             api.stop()
         if not healthy:  # stubs died too often: the orchestrator's turn
@@ -192,6 +199,17 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
             return 1
         code = server.stop(signals.received[0] if signals.received else signal.SIGTERM)
     return launcher.exit_code(code, signals.received)
+
+
+def _drain(server: launcher.TritonServer, seconds: float, received: list[int]) -> None:
+    """Let the requests in flight finish (up to `seconds`) before tritonserver stops (serving/drain.py)."""
+    _say(f"stopping: the requests in flight get up to {seconds:g} s to finish (again: stop now)")
+    for failure in server.drain(seconds, received):
+        _say(f"drain: {failure}")
+
+
+def _say(message: str) -> None:
+    print(f"nanoserve: {message}", file=sys.stderr, flush=True)
 
 
 def _log_file(args: argparse.Namespace) -> Path | None:

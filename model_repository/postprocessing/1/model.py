@@ -4,7 +4,8 @@ but never tells the engine model, whose request is already running, so this mode
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import (CANCEL_PARAMETER, CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
+from nanoserve.serving.control import CANCEL_PARAMETER
+from nanoserve.serving.ensemble import (CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
                                         engine_model, engine_tokenizer, is_final)
 from nanoserve.serving.model_json import max_model_len_bound
 
