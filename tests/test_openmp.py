@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from nanoserve import openmp
 from nanoserve.openmp import intel_openmp_path
 
 PROBE = ("import {first}, {second}, torch\n"
@@ -26,3 +27,16 @@ def test_intel_openmp_only_when_nanoserve_comes_first():
     assert _loads_iomp("nanoserve", "sys")  # and torch's parallel ops still compute right under it
     assert not _loads_iomp("nanoserve", "sys", NANOSERVE_INTEL_OPENMP="0")
     assert not _loads_iomp("torch", "nanoserve")  # torch already holds libgomp: never two runtimes
+
+
+def test_registrations_of_processes_that_are_gone_are_removed(tmp_path, monkeypatch):
+    """libiomp5's files in /dev/shm: a forked-and-exec'd or killed process leaves its own; the launcher removes
+    them when a server stops."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setattr(openmp, "REGISTRATION_DIR", str(tmp_path))
+    names = [f"__KMP_REGISTERED_LIB_{gone.pid}_0", f"__KMP_REGISTERED_LIB_{os.getpid()}_0", "__KMP_other", "x_1"]
+    for name in names:
+        (tmp_path / name).write_text("0x1-cafe-libiomp5.so")
+    openmp.remove_stale_registrations()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -34,3 +34,20 @@ def load_intel_openmp() -> str | None:
     if path is not None:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     return path
+
+
+REGISTRATION_DIR = "/dev/shm"
+REGISTRATION_PREFIX = "__KMP_REGISTERED_LIB_"  # then the process id
+
+
+def remove_stale_registrations() -> None:
+    """libiomp5 registers every process it runs in, and every child forked from one (tritonserver started from
+    here), with a file in /dev/shm that only a normal exit removes: exec'd or killed processes leave theirs.
+    Remove those whose process is gone."""
+    for name in os.listdir(REGISTRATION_DIR) if os.path.isdir(REGISTRATION_DIR) else []:
+        pid = name[len(REGISTRATION_PREFIX):].split("_")[0] if name.startswith(REGISTRATION_PREFIX) else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(REGISTRATION_DIR, name))
+            except OSError:  # another process's cleanup got there first, or it is not ours to remove
+                pass

@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanoserve import openmp
 from nanoserve.cache import build_once, default_cache_dir
 from nanoserve.tiny_model import build_tiny_model
 from nanoserve.serving import drain, liveness
@@ -281,6 +282,7 @@ class TritonServer:
     def _cleanup(self) -> None:
         for region in SHM_DIR.glob(self.shm_prefix + "*"):
             region.unlink(missing_ok=True)
+        openmp.remove_stale_registrations()  # tritonserver's, forked from here, and its killed stubs'
         if self._work_dir is not None:
             shutil.rmtree(self._work_dir, ignore_errors=True)
             self._work_dir = None
