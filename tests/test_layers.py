@@ -195,7 +195,7 @@ def test_vocab_parallel_embedding_and_lm_head(as_rank):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tokens", [0, 3, 70])
+@pytest.mark.parametrize("tokens", [0, 3, 70, 300])
 def test_packed_cpu_weights_match_f_linear(dtype, tol, tokens):
     """pack_cpu_weights moves the CPU matmuls to oneDNN; the results stay F.linear's, and the LM head is packed too.
     The packed copy replaces each weight (held once), except a tied LM head's, which the embedding still reads."""
@@ -217,6 +217,25 @@ def test_packed_cpu_weights_match_f_linear(dtype, tol, tokens):
         expected = F.linear(inputs.double(), weights[name].double(),
                             None if getattr(module, "bias", None) is None else module.bias.double())
         torch.testing.assert_close(module(inputs).double(), expected, atol=tol * 10, rtol=tol)
+
+
+def test_onednn_sees_only_the_packed_row_counts(monkeypatch):
+    """oneDNN keeps a primitive and scratch memory per row count it sees: every count from 1 to 300 reaches it as
+    one of PACKED_ROWS (padded, or cut into pieces), so its caches stay bounded, and the results stay F.linear's."""
+    seen = set()
+
+    def recording(x, packed, bias):
+        seen.add(x.shape[0])
+        return real(x, packed, bias)
+
+    real = linear_mod.onednn_linear
+    monkeypatch.setattr(linear_mod, "onednn_linear", recording)
+    weight = torch.randn(24, 16)
+    packed = linear_mod.pack_weight(weight)
+    for rows in range(1, 301):
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(linear_mod.linear(x, weight, None, packed), F.linear(x, weight))
+    assert seen == set(linear_mod.PACKED_ROWS)
 
 
 def test_loader_shape_mismatch_is_named():

@@ -51,11 +51,30 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_SIZE)
 
 
+# oneDNN builds and caches a primitive (and scratch memory) for every row count it sees, and the cache outlives
+# each call: fed every step's token count as it comes, a stub grew by hundreds of MiB. So packed matmuls see only
+# these row counts: fewer rows are padded up to the next, more are cut into pieces of the largest.
+PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
+
+
+def packed_rows(rows: int) -> int:
+    """The smallest PACKED_ROWS entry that holds `rows` (rows <= PACKED_ROWS[-1])."""
+    return next(bucket for bucket in PACKED_ROWS if bucket >= rows)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight where there is one (x [T, in])."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if x.shape[0] > PACKED_ROWS[-1]:
+        return torch.cat([linear(piece, weight, bias, packed) for piece in x.split(PACKED_ROWS[-1])])
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, packed_rows(rows) - rows)) if rows not in PACKED_ROWS else x
+    return onednn_linear(padded, packed, bias)[:rows]
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
