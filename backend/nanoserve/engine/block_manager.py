@@ -188,37 +188,3 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-
-    # ---- testing aid ----
-    def check_invariants(self, live_seqs: list[Sequence], num_computed: dict[str, int]) -> None:
-        """Assert the bookkeeping is consistent with the sequences that hold blocks, whose computed token counts
-        num_computed gives by request id (O(blocks + tokens))."""
-        ref_counts = [0] * len(self.blocks)
-        for seq in live_seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"block repeated in {seq}"
-            for block_id in seq.block_table:
-                ref_counts[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == ref_counts[block.block_id], (block, ref_counts[block.block_id])
-            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), block
-            assert (block.hash == NO_HASH) == (block.token_ids is None), block
-        assert self._num_hashed_blocks == sum(b.hash != NO_HASH for b in self.blocks)
-        for block_hash, block_id in self.hash_to_block_id.items():
-            block = self.blocks[block_id]
-            assert block.hash == block_hash and len(block.token_ids) == self.block_size, block
-        for seq in live_seqs:
-            self._check_table_hashes(seq, num_computed.get(seq.request_id, 0))
-
-    def _check_table_hashes(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Hashed blocks form a prefix of the table and each matches the sequence's content and chain."""
-        num_hashed = sum(self.blocks[b].hash != NO_HASH for b in seq.block_table)
-        if self.enable_prefix_caching:  # every full computed block is registered after a step
-            assert num_hashed == num_computed_tokens // self.block_size, seq
-        prev_hash = first_prev_hash(seq)
-        for i, block_id in enumerate(seq.block_table[:num_hashed]):
-            block = self.blocks[block_id]
-            assert (i + 1) * self.block_size <= num_computed_tokens, (seq, block)
-            expected_tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            assert block.token_ids == expected_tokens, (seq, block)
-            assert block.hash == chain_hash(prev_hash, expected_tokens), (seq, block)
-            prev_hash = block.hash

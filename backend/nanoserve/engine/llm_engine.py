@@ -219,8 +219,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": blocks.prefix_cache_hit_tokens,
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "generation_tokens": self.num_generation_tokens,
         }
 

@@ -64,17 +64,6 @@ class Scheduler:
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
 
     # ---- queues ----
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """Raise ValueError (naming the field) for a request that could never be served."""
         if num_prompt_tokens == 0:
@@ -297,11 +286,3 @@ class Scheduler:
     def num_computed_tokens(self, seq: Sequence) -> int:
         """Tokens of seq whose KV is in the cache (0 unless it is running)."""
         return int(self.columns[0, self.running.index(seq)]) if seq.status is SequenceStatus.RUNNING else 0
-
-    def check_columns(self) -> None:
-        """Assert the columns match the running sequences (a testing aid)."""
-        lengths = [[s.num_tokens, len(s.block_table) * self.block_size, s.num_prompt_tokens, s.max_num_tokens]
-                   for s in self.running]
-        assert self.columns[1:, :len(self.running)].T.tolist() == lengths, (self.columns, lengths)
-        assert not self.columns[:, len(self.running):].any()
-        assert (self.columns[0, :len(self.running)] <= self.columns[1, :len(self.running)]).all()

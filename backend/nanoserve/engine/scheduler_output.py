@@ -50,7 +50,3 @@ class SchedulerOutput:
     @property
     def num_rows(self) -> int:
         return len(self.num_scheduled_tokens)
-
-    @property
-    def num_sampled(self) -> int:
-        return int(self.samples.sum())
