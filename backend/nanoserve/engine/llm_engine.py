@@ -166,7 +166,7 @@ class LLMEngine:
         dropped = [request_id for request_id in request_ids if self._abort(request_id)]
         self._reset_batch()
         # a request the failed step finished before it raised is gone from the output processor: it leaves too
-        for request_id in self.scheduler.waiting_ids() - set(self.output_processor.requests):
+        for request_id in {seq.request_id for seq in self.scheduler.waiting} - self.output_processor.requests.keys():
             self.scheduler.abort(request_id)
         return dropped
 
