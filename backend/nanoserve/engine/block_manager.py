@@ -1,13 +1,6 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts and a prefix cache keyed by chained hashes.
-
-A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
-hashes mean equal prefixes. The chain of a sequence with a LoRA adapter starts from the adapter's key instead of
-nothing: the KV of different adapters (and of the base model) is never shared. Freed blocks keep their hash and
-stay findable until they are reused for other content; free blocks are reused least-recently-freed first.
-
-Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks,
-and the samples of a request with n > 1 share its prompt's blocks (`fork`).
-"""
+"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): fixed-size reference-counted blocks, and a prefix
+cache where a full computed block is found by xxh64(previous block's hash + its token ids), the chain of a LoRA
+sequence starting from its adapter's key. Freed blocks stay findable until reused, least recently freed first."""
 from __future__ import annotations
 
 from array import array
@@ -51,7 +44,7 @@ class Block:
         self.hash = NO_HASH
         self.token_ids: list[int] | None = None  # kept with the hash to verify cache hits
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # in the tests' assertion messages
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
@@ -155,10 +148,8 @@ class BlockManager:
 
     # ---- after a step ----
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Hash and register the blocks that became full and computed since the last call.
-
-        Hashed blocks always form a prefix of the table, so the first unhashed one is found by walking back
-        from the last full block: O(1) on a decode step."""
+        """Hash and register the blocks that became full and computed since the last call. Hashed blocks form a
+        prefix of the table, so walking back from the last full block finds the first unhashed one."""
         if not self.enable_prefix_caching:
             return
         num_full = num_computed_tokens // self.block_size
