@@ -55,24 +55,15 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_total_blocks = num_blocks
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.hash_to_block_id: dict[int, int] = {}
-        self._num_hashed_blocks = 0
+        self.num_cached_blocks = 0  # blocks holding a valid hash, in use or free
         self.prefix_cache_hit_tokens = 0
-
-    # ---- stats ----
-    @property
-    def num_total_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks holding a valid hash, in use or free."""
-        return self._num_hashed_blocks
 
     # ---- admission ----
     def allocate_cached_prefix(self, seq: Sequence) -> int:
@@ -142,7 +133,7 @@ class BlockManager:
                 del self.hash_to_block_id[block.hash]
             block.hash = NO_HASH
             block.token_ids = None
-            self._num_hashed_blocks -= 1
+            self.num_cached_blocks -= 1
         block.ref_count = 1
         return block_id
 
@@ -164,7 +155,7 @@ class BlockManager:
     def _register(self, block: Block, prev_hash: int, token_ids: list[int], index: int) -> None:
         block.token_ids = token_ids[index * self.block_size:(index + 1) * self.block_size]
         block.hash = chain_hash(prev_hash, block.token_ids)
-        self._num_hashed_blocks += 1
+        self.num_cached_blocks += 1
         # Another block with the same content may already be registered (two sequences prefilled the same
         # prefix at once); keep that one, this block still carries the hash for chaining.
         self.hash_to_block_id.setdefault(block.hash, block.block_id)

@@ -51,15 +51,13 @@ class Scheduler:
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
 
     # ---- queues ----
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError (naming the field) for a request that could never be served."""
         if num_prompt_tokens == 0:
             raise ValueError("prompt: empty (at least one token is needed)")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt: {num_prompt_tokens} tokens leaves no room to generate within "
                              f"max_model_len ({self.max_model_len})")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) = "
                              f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})")
