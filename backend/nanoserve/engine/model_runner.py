@@ -249,8 +249,10 @@ class ModelRunner:
             else:
                 top = dict(zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist(),
                                                       ranks)))
-        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top,
-                            self.step_prompt_logprobs)
+        token_ids, logprobs = sampled.token_ids, sampled.sampled_logprobs
+        if self.device.type != "cpu":  # (.cpu() costs host time even on a CPU tensor)
+            token_ids, logprobs = token_ids.cpu(), logprobs.cpu()
+        return RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, self.step_prompt_logprobs)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""
