@@ -54,15 +54,13 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._used_rows = 0  # rows [0, _used_rows) hold the last replay's inputs; the rest hold padding
 
-    def _batch(self, bucket: int) -> AttentionBatch:
-        # max_seq_len is the static bound, never the capture batch's own maximum: the decode split count it
-        # caps is frozen into the graph and must suit every later replay
-        return AttentionBatch(self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1], self.seq_lens[:bucket],
-                              self.block_tables[:bucket], max_query_len=1, max_seq_len=self.max_seq_len)
-
     def _forward(self, bucket: int) -> None:
-        """The captured work: the backend's metadata and the model on the first `bucket` rows of the buffers."""
-        meta = self.backend.build(self._batch(bucket))
+        """The captured work: the backend's metadata and the model on the first `bucket` rows of the buffers.
+        max_seq_len is the static bound, never the batch's own maximum: the decode split count it caps is frozen
+        into the graph and must suit every later replay."""
+        meta = self.backend.build(AttentionBatch(self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1],
+                                                 self.seq_lens[:bucket], self.block_tables[:bucket], max_query_len=1,
+                                                 max_seq_len=self.max_seq_len))
         self.outputs[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
 
     @torch.inference_mode()
@@ -73,20 +71,15 @@ class CUDAGraphRunner:
                              "attention_backend='triton', or enforce_eager=True")
         pool = None
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs fit in its pool
-            graph = self._capture_one(bucket, pool)
+            self._forward(bucket)  # warm-up at this shape: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize()
+            graph = self.graphs[bucket] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bucket)
+            torch.cuda.synchronize()
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bucket] = graph
         return self
-
-    def _capture_one(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
-        self._forward(bucket)  # warm-up at this shape: Triton compiles, cuBLAS picks its kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward(bucket)
-        torch.cuda.synchronize()
-        return graph
 
     def can_run(self, batch_size: int, table_width: int, decode_only: bool) -> bool:
         return fits_graph(self.buckets, self.max_blocks, batch_size, table_width, decode_only)
