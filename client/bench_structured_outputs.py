@@ -56,7 +56,7 @@ def decode_steps(engine, timer: Timer, prompts: list[list[int]], params, steps: 
         engine.step()
     rows = []
     for _ in range(steps):
-        if engine.scheduler.num_running < len(prompts):
+        if len(engine.scheduler.running) < len(prompts):
             break
         before, start = dict(timer.totals), time.perf_counter()
         engine.step()

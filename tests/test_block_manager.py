@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from engine_checks import check_block_invariants, check_columns, has_unfinished, num_sampled
 
 from nanoserve.engine.block_manager import NO_HASH, BlockManager, chain_hash
 from nanoserve.engine.input_batch import InputBatch
@@ -114,14 +115,14 @@ def test_shared_prefix_ref_counts_and_free():
     free_before = bm.num_free_blocks
     compute(bm, b, 2 * BS)
     assert bm.num_free_blocks == free_before - 1
-    bm.check_invariants([a, b], all_computed(a, b))
+    check_block_invariants(bm, [a, b], all_computed(a, b))
     bm.free(a)
     assert a.block_table == []
     assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
-    bm.check_invariants([b], all_computed(b))
+    check_block_invariants(bm, [b], all_computed(b))
     bm.free(b)
     assert bm.num_free_blocks == bm.num_total_blocks == 8
-    bm.check_invariants([], {})
+    check_block_invariants(bm, [], {})
 
 
 def test_free_blocks_are_reused_least_recently_freed_first():
@@ -187,7 +188,7 @@ def test_duplicate_content_keeps_the_first_registered_block():
     assert bm.blocks[b.block_table[0]].hash == block_hash
     assert bm.hash_to_block_id[block_hash] == a.block_table[0]
     assert bm.num_cached_blocks == 2
-    bm.check_invariants([a, b], all_computed(a, b))
+    check_block_invariants(bm, [a, b], all_computed(a, b))
 
 
 def test_cache_full_blocks_hashes_only_computed_full_blocks_incrementally():
@@ -203,7 +204,7 @@ def test_cache_full_blocks_hashes_only_computed_full_blocks_incrementally():
         seq.token_ids.append(1000 + token)
         computed = compute(bm, seq, computed, 1)
     assert bm.num_cached_blocks == 3
-    bm.check_invariants([seq], {seq.request_id: computed})
+    check_block_invariants(bm, [seq], {seq.request_id: computed})
 
 
 def test_prefix_caching_disabled():
@@ -287,11 +288,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def run_to_completion(self):
         max_steps = 100 + 20 * sum(s.num_prompt_tokens + s.max_tokens for s in self.live.values())
         for _ in range(max_steps):
-            if not self.scheduler.has_unfinished():
+            if not has_unfinished(self.scheduler):
                 break
             self._step()
             self.check_block_bookkeeping()
-        assert not self.scheduler.has_unfinished() and not self.live, "requests did not finish: hang"
+        assert not has_unfinished(self.scheduler) and not self.live, "requests did not finish: hang"
         assert self.bm.num_free_blocks == self.bm.num_total_blocks
         assert all(seq.num_output_tokens == seq.max_tokens for seq in self.finished if seq.finish_reason == "length")
 
@@ -300,7 +301,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = scheduler.schedule()
         assert out.num_batched_tokens > 0, "unfinished requests but nothing scheduled: no progress"
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
-        assert out.num_rows == scheduler.num_running <= scheduler.max_num_seqs
+        assert out.num_rows == len(scheduler.running) <= scheduler.max_num_seqs
         for seq, start, count in zip(scheduler.running, out.num_computed_tokens, out.num_scheduled_tokens):
             assert seq.status == SequenceStatus.RUNNING and start == scheduler.num_computed_tokens(seq)
             assert start + count <= seq.num_tokens
@@ -320,7 +321,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             for position in range(start, start + count):  # "run the model": the step writes its tokens' KV
                 self.kv[seq.block_table[position // self.bm.block_size], position % self.bm.block_size] = \
                     seq.token_ids[position]
-        sampling = scheduler.update(out, np.array([self.rng.choice(VOCAB) for _ in range(out.num_sampled)])).seqs
+        sampled = np.array([self.rng.choice(VOCAB) for _ in range(num_sampled(out))])
+        sampling = scheduler.update(out, sampled).seqs
         self._record_prefixes(scheduled_seqs)
         for seq in sampling:
             if seq.num_output_tokens >= seq.max_tokens:
@@ -351,15 +353,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert self.kv.get(slot) == seq.token_ids[position], (seq, position)
         assert all(not s.block_table for s in scheduler.waiting)
         computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
-        self.bm.check_invariants(holders, computed)  # free xor used, ref counts, hashed prefix of each table
-        scheduler.check_columns()  # the rows' numbers match the running sequences'
+        # free xor used, ref counts, hashed prefix of each table
+        check_block_invariants(self.bm, holders, computed)
+        check_columns(scheduler)  # the rows' numbers match the running sequences'
         used = {b for s in scheduler.running for b in s.block_table}
         assert not used & set(self.bm.free_block_ids)
         for block_hash, block_id in self.bm.hash_to_block_id.items():
             block = self.bm.blocks[block_id]
             prefix = self.prefix_by_hash[block_hash]  # every registered hash names a prefix really computed
             assert list(prefix[-self.bm.block_size:]) == block.token_ids
-        if not scheduler.has_unfinished():
+        if not has_unfinished(scheduler):
             assert self.bm.num_free_blocks == self.bm.num_total_blocks
 
     def teardown(self):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from engine_checks import has_unfinished
 from hf_reference import hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -221,7 +222,7 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_loads_only_idle_slots(max
         scheduler.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, adapter))
     device = [None] * max_loras  # what a runner's slots hold, from the diffs
     for _ in range(200):
-        if not scheduler.has_unfinished():
+        if not has_unfinished(scheduler):
             break
         out = step(scheduler)
         for slot, adapter in out.lora_loads:
@@ -238,7 +239,7 @@ def test_scheduler_runs_at_most_max_loras_adapters_and_loads_only_idle_slots(max
             for block_id in seq.block_table:
                 holders.setdefault(block_id, set()).add(seq.lora)
         assert all(len(adapters) == 1 for adapters in holders.values()), holders
-    assert not scheduler.has_unfinished()
+    assert not has_unfinished(scheduler)
 
 
 def test_samples_and_structured_outputs_run_with_their_requests_adapter(qwen3_dir, lora_adapters, make_llm):

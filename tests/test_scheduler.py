@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from engine_checks import check_block_invariants, check_columns, has_unfinished, num_sampled
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.input_batch import InputBatch
@@ -46,7 +47,7 @@ def check_mirror(batch: InputBatch, scheduler: Scheduler) -> None:
 
 def check_blocks(scheduler: Scheduler) -> None:
     computed = {seq.request_id: scheduler.num_computed_tokens(seq) for seq in scheduler.running}
-    scheduler.block_manager.check_invariants(scheduler.running, computed)
+    check_block_invariants(scheduler.block_manager, scheduler.running, computed)
 
 
 def step(scheduler: Scheduler, next_token=7, tokens=None):
@@ -54,7 +55,7 @@ def step(scheduler: Scheduler, next_token=7, tokens=None):
     or the next of `tokens`, on sampling rows) -> update -> finish at max_tokens."""
     out = scheduler.schedule()
     assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
-    assert out.num_rows == scheduler.num_running <= scheduler.max_num_seqs
+    assert out.num_rows == len(scheduler.running) <= scheduler.max_num_seqs
     out.rows = [(seq.request_id, int(start), int(n)) for seq, start, n in
                 zip(scheduler.running, out.num_computed_tokens, out.num_scheduled_tokens) if n]
     scheduler.mirror.update(out)
@@ -63,9 +64,9 @@ def step(scheduler: Scheduler, next_token=7, tokens=None):
     running = {seq.request_id: seq for seq in scheduler.running}
     expected = [running[rid].token_ids[p] for rid, start, n in out.rows for p in range(start, start + n)]
     assert inputs.input_ids.tolist() == expected
-    sampled = np.array([next_token if tokens is None else tokens.pop(0) for _ in range(out.num_sampled)])
+    sampled = np.array([next_token if tokens is None else tokens.pop(0) for _ in range(num_sampled(out))])
     seqs = scheduler.update(out, sampled).seqs
-    scheduler.check_columns()
+    check_columns(scheduler)
     out.sampled = [seq.request_id for seq in seqs]
     for seq in seqs:
         if seq.num_output_tokens >= seq.max_tokens:
@@ -75,7 +76,7 @@ def step(scheduler: Scheduler, next_token=7, tokens=None):
 
 def run_to_completion(scheduler: Scheduler, max_steps=10_000) -> int:
     steps = 0
-    while scheduler.has_unfinished():
+    while has_unfinished(scheduler):
         step(scheduler)
         steps += 1
         assert steps < max_steps, "scheduler hangs"
@@ -116,10 +117,10 @@ def test_chunked_prefill_splits_a_long_prompt_and_shares_steps_with_decodes():
 def test_budget_and_max_num_seqs_are_respected():
     scheduler = make_scheduler(num_blocks=200, budget=16, max_num_seqs=3)
     seqs = [add(scheduler, f"r{i}", range(i, i + 5 + 3 * i), max_tokens=6) for i in range(8)]
-    while scheduler.has_unfinished():
+    while has_unfinished(scheduler):
         out = step(scheduler)
         assert out.num_batched_tokens <= 16 and len(out.rows) <= 3
-        assert scheduler.num_running <= 3
+        assert len(scheduler.running) <= 3
     assert all(s.finish_reason == "length" and s.num_output_tokens == 6 for s in seqs)
     assert scheduler.num_preemptions == 0
 
@@ -153,7 +154,7 @@ def test_newest_sequence_is_preempted_and_finishes_after_recompute():
     assert list(scheduler.waiting) == [new] and scheduler.num_preemptions == 1
     generated_before = new.output_token_ids
     recompute_rows = []
-    while scheduler.has_unfinished():
+    while has_unfinished(scheduler):
         plan = step(scheduler)
         recompute_rows += [r for r in rows(plan) if r[0] == "new" and r[1] == 0]
     assert recompute_rows == [("new", 0, 4 + len(generated_before))]  # prompt + output computed again
@@ -230,11 +231,11 @@ def test_abort_waiting_and_running_frees_blocks():
     running = add(scheduler, "run", range(10))
     waiting = add(scheduler, "wait", range(5))
     step(scheduler)
-    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    assert len(scheduler.running) == 1 and len(scheduler.waiting) == 1
     assert scheduler.abort("wait") is waiting and waiting.finish_reason == "abort" and waiting.is_finished
     assert scheduler.abort("run") is running and running.block_table == []
     assert scheduler.abort("run") is None and scheduler.abort("nope") is None
-    assert not scheduler.has_unfinished()
+    assert not has_unfinished(scheduler)
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_total_blocks
 
 
@@ -319,7 +320,7 @@ def random_workload(seed: int, num_blocks: int, block_size: int, max_num_seqs: i
                 continue
         if rng.random() < 0.05 and scheduler.running:
             scheduler.abort(rng.choice(scheduler.running).request_id)
-        if scheduler.has_unfinished():
+        if has_unfinished(scheduler):
             step(scheduler, rng.randrange(3))
             check_blocks(scheduler)
     return scheduler

@@ -1,13 +1,6 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts and a prefix cache keyed by chained hashes.
-
-A full block whose KV has been computed gets hash = xxh64(previous block's hash + its token ids), so equal
-hashes mean equal prefixes. The chain of a sequence with a LoRA adapter starts from the adapter's key instead of
-nothing: the KV of different adapters (and of the base model) is never shared. Freed blocks keep their hash and
-stay findable until they are reused for other content; free blocks are reused least-recently-freed first.
-
-Blocks are reference-counted, so several sequences may hold one: a prefix-cache hit shares the cached blocks,
-and the samples of a request with n > 1 share its prompt's blocks (`fork`).
-"""
+"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): fixed-size reference-counted blocks, and a prefix
+cache where a full computed block is found by xxh64(previous block's hash + its token ids), the chain of a LoRA
+sequence starting from its adapter's key. Freed blocks stay findable until reused, least recently freed first."""
 from __future__ import annotations
 
 from array import array
@@ -51,7 +44,7 @@ class Block:
         self.hash = NO_HASH
         self.token_ids: list[int] | None = None  # kept with the hash to verify cache hits
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # in the tests' assertion messages
         return f"Block({self.block_id}, ref={self.ref_count}, hash={self.hash})"
 
 
@@ -62,24 +55,15 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_total_blocks = num_blocks
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.hash_to_block_id: dict[int, int] = {}
-        self._num_hashed_blocks = 0
+        self.num_cached_blocks = 0  # blocks holding a valid hash, in use or free
         self.prefix_cache_hit_tokens = 0
-
-    # ---- stats ----
-    @property
-    def num_total_blocks(self) -> int:
-        return len(self.blocks)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks holding a valid hash, in use or free."""
-        return self._num_hashed_blocks
 
     # ---- admission ----
     def allocate_cached_prefix(self, seq: Sequence) -> int:
@@ -149,16 +133,14 @@ class BlockManager:
                 del self.hash_to_block_id[block.hash]
             block.hash = NO_HASH
             block.token_ids = None
-            self._num_hashed_blocks -= 1
+            self.num_cached_blocks -= 1
         block.ref_count = 1
         return block_id
 
     # ---- after a step ----
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Hash and register the blocks that became full and computed since the last call.
-
-        Hashed blocks always form a prefix of the table, so the first unhashed one is found by walking back
-        from the last full block: O(1) on a decode step."""
+        """Hash and register the blocks that became full and computed since the last call. Hashed blocks form a
+        prefix of the table, so walking back from the last full block finds the first unhashed one."""
         if not self.enable_prefix_caching:
             return
         num_full = num_computed_tokens // self.block_size
@@ -173,7 +155,7 @@ class BlockManager:
     def _register(self, block: Block, prev_hash: int, token_ids: list[int], index: int) -> None:
         block.token_ids = token_ids[index * self.block_size:(index + 1) * self.block_size]
         block.hash = chain_hash(prev_hash, block.token_ids)
-        self._num_hashed_blocks += 1
+        self.num_cached_blocks += 1
         # Another block with the same content may already be registered (two sequences prefilled the same
         # prefix at once); keep that one, this block still carries the hash for chaining.
         self.hash_to_block_id.setdefault(block.hash, block.block_id)
@@ -188,37 +170,3 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         seq.block_table = []
-
-    # ---- testing aid ----
-    def check_invariants(self, live_seqs: list[Sequence], num_computed: dict[str, int]) -> None:
-        """Assert the bookkeeping is consistent with the sequences that hold blocks, whose computed token counts
-        num_computed gives by request id (O(blocks + tokens))."""
-        ref_counts = [0] * len(self.blocks)
-        for seq in live_seqs:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"block repeated in {seq}"
-            for block_id in seq.block_table:
-                ref_counts[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == ref_counts[block.block_id], (block, ref_counts[block.block_id])
-            assert (block.ref_count == 0) == (block.block_id in self.free_block_ids), block
-            assert (block.hash == NO_HASH) == (block.token_ids is None), block
-        assert self._num_hashed_blocks == sum(b.hash != NO_HASH for b in self.blocks)
-        for block_hash, block_id in self.hash_to_block_id.items():
-            block = self.blocks[block_id]
-            assert block.hash == block_hash and len(block.token_ids) == self.block_size, block
-        for seq in live_seqs:
-            self._check_table_hashes(seq, num_computed.get(seq.request_id, 0))
-
-    def _check_table_hashes(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Hashed blocks form a prefix of the table and each matches the sequence's content and chain."""
-        num_hashed = sum(self.blocks[b].hash != NO_HASH for b in seq.block_table)
-        if self.enable_prefix_caching:  # every full computed block is registered after a step
-            assert num_hashed == num_computed_tokens // self.block_size, seq
-        prev_hash = first_prev_hash(seq)
-        for i, block_id in enumerate(seq.block_table[:num_hashed]):
-            block = self.blocks[block_id]
-            assert (i + 1) * self.block_size <= num_computed_tokens, (seq, block)
-            expected_tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            assert block.token_ids == expected_tokens, (seq, block)
-            assert block.hash == chain_hash(prev_hash, expected_tokens), (seq, block)
-            prev_hash = block.hash

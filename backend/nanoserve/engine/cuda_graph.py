@@ -1,30 +1,10 @@
-"""CUDA graphs for decode steps (one query token per sequence).
+"""CUDA graphs for decode steps (one query token per sequence; docs/architecture.md, "CUDA graphs").
 
-One graph per batch bucket (1, 2, 4, 8, 16, 32, 48, ... step 16, and max_num_seqs), captured largest first
-into one shared memory pool: graphs never replay concurrently, so the smaller ones reuse the memory of the
-largest one's intermediates. Each capture follows an eager warm-up at the same shape, which compiles every
-Triton specialization the capture will launch (Triton specializes integer arguments, such as row counts, on
-== 1 and % 16), so nothing is compiled or loaded inside the capture.
-
-The graphs read static input buffers. A replay copies the step's tensors into the first `batch` rows and
-replays the smallest bucket >= batch. Padded rows hold slot -1 (nothing stored) and seq_len 0: the decode
-kernels then read no K/V and no block table entry for them and write zeros (the Triton kernel by contract,
-flash-attn by its early exit on an empty key range), and their outputs are dropped. Steps that do not fit
-run eagerly: prefill and mixed steps, a batch bigger than the largest bucket, a block table wider than the
-captured one.
-
-Only the model forward is captured; the LM head and the sampler run eagerly on the returned rows. The
-captured region must not synchronize with the host: no .item() / .tolist(), no Python branch on a tensor
-value, no tensor built from host data (tests/test_cuda_graph.py checks the decode forward for these on CPU).
-The torch reference attention does all three, so it is never captured. The graphs hold the KV cache
-pointers bound at capture time: rebinding the cache means capturing again.
-
-No torch.compile. Under the graphs the decode step launches nothing from Python, and the elementwise chains
-compile would fuse (residual add + RMSNorm, SiLU-and-mul, RoPE, KV store) already are single Triton kernels;
-what remains is cuBLAS GEMMs and attention, which compile leaves alone. Prefill is GEMM/attention bound.
-The price would be tens of seconds to minutes of compilation per start (per bucket shape, or dynamic
-shapes), recompiles on shape changes at serve time, and graph breaks around the Triton launches and the
-tensor-parallel collectives. The one place with many small eager ops is the sampler, outside this module.
+One graph per batch bucket, captured largest first into one shared memory pool (graphs never replay concurrently).
+Each capture follows an eager warm-up at the same shape, so every Triton specialization the capture launches is
+compiled before it. A replay copies the step's tensors into the first `batch` rows of static buffers and replays
+the smallest bucket >= batch; padded rows hold slot -1 (nothing stored) and seq_len 0 (no K/V read, zeros out).
+Only the model forward is captured, and it must not synchronize with the host (tests/test_cuda_graph.py checks).
 """
 from __future__ import annotations
 
@@ -74,15 +54,13 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._used_rows = 0  # rows [0, _used_rows) hold the last replay's inputs; the rest hold padding
 
-    def _batch(self, bucket: int) -> AttentionBatch:
-        # max_seq_len is the static bound, never the capture batch's own maximum: the decode split count it
-        # caps is frozen into the graph and must suit every later replay
-        return AttentionBatch(self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1], self.seq_lens[:bucket],
-                              self.block_tables[:bucket], max_query_len=1, max_seq_len=self.max_seq_len)
-
     def _forward(self, bucket: int) -> None:
-        """The captured work: the backend's metadata and the model on the first `bucket` rows of the buffers."""
-        meta = self.backend.build(self._batch(bucket))
+        """The captured work: the backend's metadata and the model on the first `bucket` rows of the buffers.
+        max_seq_len is the static bound, never the batch's own maximum: the decode split count it caps is frozen
+        into the graph and must suit every later replay."""
+        meta = self.backend.build(AttentionBatch(self.slot_mapping[:bucket], self.query_start_loc[:bucket + 1],
+                                                 self.seq_lens[:bucket], self.block_tables[:bucket], max_query_len=1,
+                                                 max_seq_len=self.max_seq_len))
         self.outputs[:bucket] = self.model(self.input_ids[:bucket], self.positions[:bucket], meta)
 
     @torch.inference_mode()
@@ -93,20 +71,15 @@ class CUDAGraphRunner:
                              "attention_backend='triton', or enforce_eager=True")
         pool = None
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs fit in its pool
-            graph = self._capture_one(bucket, pool)
+            self._forward(bucket)  # warm-up at this shape: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize()
+            graph = self.graphs[bucket] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bucket)
+            torch.cuda.synchronize()
             if pool is None:
                 pool = graph.pool()
-            self.graphs[bucket] = graph
         return self
-
-    def _capture_one(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
-        self._forward(bucket)  # warm-up at this shape: Triton compiles, cuBLAS picks its kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward(bucket)
-        torch.cuda.synchronize()
-        return graph
 
     def can_run(self, batch_size: int, table_width: int, decode_only: bool) -> bool:
         return fits_graph(self.buckets, self.max_blocks, batch_size, table_width, decode_only)

@@ -1,22 +1,19 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings: the deltas concatenate to exactly tokenizer.decode(output_ids)
+(replacement characters included), cut at the first stop string.
 
-Each step decodes only a short window of the latest tokens and commits the part of its text that later
-tokens can no longer change. Two things make a token's text depend on its neighbours:
-- a character split across tokens (byte-level BPE, SentencePiece byte fallback): while the window ends
-  inside one, its text ends with U+FFFD and nothing new is committed;
-- decoders that drop the leading space of the first token (SentencePiece / Metaspace): the window starts a
-  few tokens back, at a point already committed, so the new tokens are never first.
-The deltas therefore concatenate to exactly tokenizer.decode(output_ids), replacement characters included,
-cut at the first stop string when one matches.
-
-Byte-level BPE (GPT-2, Llama 3, Qwen) has a faster exact path: its decode is the UTF-8 decoding of the
-concatenated token bytes, so a per-token bytes table and an incremental UTF-8 decoder do the same work
-without calling the tokenizer per step. `add_token` shortens it further for the usual streaming step (one
-token, no stop strings, no character pending): most tokens are whole characters, their text a table lookup.
+Byte-level BPE (GPT-2, Llama 3, Qwen) decodes as the UTF-8 of the tokens' concatenated bytes: a per-token bytes
+table and an incremental UTF-8 decoder do that without calling the tokenizer, and `add_token` (one token, no stop
+strings, no character pending) is a table lookup. Other tokenizers decode a short window of the latest tokens and
+commit the text later tokens can no longer change. Two things make a token's text depend on its neighbours: a
+character split across tokens (the window's text then ends with U+FFFD or in a <0xNN> byte token, and nothing is
+committed), and decoders that drop the first token's leading space (the window starts a few tokens back, at a point
+already committed). `tokenizers`' DecodeStream cannot replace either path: it raises on byte-fallback runs that do
+not form UTF-8, and costs a Rust call per token where the byte table is a lookup.
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import weakref
 from collections.abc import Sequence
 
@@ -29,15 +26,13 @@ MAX_WINDOW = 12  # tokens decoded per step before the window start moves up to t
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: Sequence[str] = (),
                  include_stop_str_in_output: bool = False):
-        """Decodes a request's output ids: the deltas concatenate to tokenizer.decode(output_ids)."""
         self._decode = _decode_fn(tokenizer, skip_special_tokens)
         self._id_to_token = _id_to_token_fn(tokenizer)
         tables = _byte_tables(tokenizer, skip_special_tokens)  # None: not byte-level, use the window
         self._bytes = tables[0] if tables else None
         self._tail = b""  # byte-level path: bytes of a character not complete yet
         self.stop = [s for s in stop if s]
-        # add_token's shortcut, for byte-level without stop strings: each token's text when its bytes are whole
-        # UTF-8 characters, else None. None once finished.
+        # add_token's table, for byte-level without stop strings (None once finished)
         self._texts = tables[1] if tables and not self.stop else None
         self.include_stop_str_in_output = include_stop_str_in_output
         self.stop_matched: str | None = None
@@ -62,9 +57,7 @@ class IncrementalDetokenizer:
         return self.stop_matched is not None or self._flushed
 
     def add_token(self, token_id: int) -> str:
-        """add([token_id]), shortened for byte-level tokenizers without stop strings: a table lookup when the
-        token's bytes are whole characters and nothing is pending, else the incremental UTF-8 decode (with
-        no stop string to search for, all of it is released at once)."""
+        """add([token_id]); for byte-level tokenizers without stop strings, a table lookup or the UTF-8 decode."""
         texts = self._texts
         if texts is None:
             return self.add((token_id,))
@@ -122,14 +115,13 @@ class IncrementalDetokenizer:
         return new_text
 
     def _ends_in_byte_token(self) -> bool:
-        """SentencePiece byte fallback decodes a run of <0xNN> tokens as a whole: one bad byte turns the whole
-        run into U+FFFD, so text ending in such a run is not final until a normal token follows."""
+        """SentencePiece byte fallback decodes a run of <0xNN> tokens as a whole (one bad byte spoils the run)."""
         token = self._id_to_token(self._ids[-1])
         return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
 
     def _slide_window(self) -> None:
-        """Called at a commit point. When the window has grown long, restart it at the previous commit point,
-        provided the tokens since then show some text (so the next token is not the first one decoded)."""
+        """At a commit point: restart a long window at the previous commit point, provided the tokens since then
+        show some text (so the next token is never the first one decoded)."""
         end = len(self._ids)
         if end - self._start > MAX_WINDOW:
             context = self._decode(self._ids[self._committed_at:end])
@@ -197,33 +189,26 @@ _BYTE_TABLES = weakref.WeakKeyDictionary()  # tokenizer -> {skip_special_tokens:
 
 
 def _byte_tables(tokenizer, skip_special_tokens: bool) -> tuple[list[bytes], list[str | None]] | None:
-    """The bytes each token id contributes to tokenizer.decode() (b"" for skipped specials) and, where those
-    bytes are whole UTF-8 characters, their text; None when decode is not plain byte-level UTF-8 (then the
-    generic window path is used). Built once per tokenizer."""
+    """Per token id, the bytes it contributes to tokenizer.decode() (b"" for skipped specials) and its text where
+    those bytes are whole UTF-8 characters (else None); None when decode is not plain byte-level UTF-8. Built once
+    per tokenizer."""
     try:
         tables = _BYTE_TABLES[tokenizer]
     except (KeyError, TypeError):
         tables = _build_byte_tables(tokenizer)
-        if tables is not None:
-            tables = {skip: (table, _whole_char_texts(table)) for skip, table in tables.items()}
-        try:
+        with contextlib.suppress(TypeError):  # not weak-referenceable: rebuilt next time
             _BYTE_TABLES[tokenizer] = tables
-        except TypeError:  # not weak-referenceable: rebuilt next time
-            pass
     return None if tables is None else tables[skip_special_tokens]
 
 
-def _whole_char_texts(table: list[bytes]) -> list[str | None]:
-    texts: list[str | None] = []
-    for raw in table:
-        try:
-            texts.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:  # part of a character, or invalid: the incremental decoder decides
-            texts.append(None)
-    return texts
+def _whole_chars(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:  # part of a character, or invalid: the incremental decoder decides
+        return None
 
 
-def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
+def _build_byte_tables(tokenizer) -> dict[bool, tuple[list[bytes], list[str | None]]] | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False)
             or not isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)):
@@ -247,7 +232,7 @@ def _build_byte_tables(tokenizer) -> dict[bool, list[bytes]] | None:
     for token_id, token in added.items():
         if token.special and token_id < len(table):
             skipping[token_id] = b""
-    return {False: table, True: skipping}
+    return {skip: (t, [_whole_chars(raw) for raw in t]) for skip, t in ((False, table), (True, skipping))}
 
 
 def _byte_level_alphabet() -> dict[str, int]:

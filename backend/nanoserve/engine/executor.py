@@ -1,10 +1,7 @@
 """The executor owns the model runners: rank 0's in this process and, under tensor parallelism, ranks 1.. in
-spawned worker processes. It hands every runner the same calls (the workers get them pickled through one pipe
-each); the collectives inside the forward keep the ranks in step. Each runner applies each SchedulerOutput to
-its own InputBatch, so only the step's diffs travel. Workers never answer: rank 0 samples.
-
-A worker exits on ("exit", ()) or when rank 0's end of the pipe closes, so no process outlives the engine (the
-Triton stub must be able to exit)."""
+spawned workers, each sent every call pickled through its own pipe (only the step's diffs travel; workers never
+answer: rank 0 samples). A worker exits on ("exit", ()) or when rank 0's end of the pipe closes, so no process
+outlives the engine (the Triton stub must be able to exit)."""
 from __future__ import annotations
 
 import multiprocessing as mp

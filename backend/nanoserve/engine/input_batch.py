@@ -1,12 +1,7 @@
-"""The model runner's persistent batch: one row per running sequence, in the scheduler's order, kept up to date
-from each SchedulerOutput's diffs. A step's input arrays and sampling metadata are gathered from it with numpy,
-never rebuilt from Python objects.
-
-A row's fixed-width data (its token ids, its block table and the KV cache slot of each of its positions, its
-sampling parameters) sits in a slot that the sequence keeps while it runs; `slots[row]` maps rows onto slots,
-so when a row leaves, the rows after it move up without moving their tables. A step's token ids and KV slots
-are then one `take` each from the flat tables, at index slot * width + position (width: max_model_len rounded up
-to whole blocks)."""
+"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"): one row per running
+sequence, in the scheduler's order, kept up to date from each SchedulerOutput's diffs. A row's token ids, KV slots
+and sampling parameters sit in a slot it keeps while it runs (`slots[row]`), so a leaving row moves one entry and a
+step's token ids and KV slots are one `take` each from the flat tables (index slot * width + position)."""
 from __future__ import annotations
 
 import math
@@ -137,12 +132,19 @@ class InputBatch:
         resumed = len(new.token_ids) > new.num_prompt_tokens  # preempted after it sampled: the prompt's were sent
         self.num_prompt_logprobs[slot] = -1 if params.prompt_logprobs is None or resumed else params.prompt_logprobs
         self.lora_slot[slot] = new.lora_slot
-        self.num_lora_rows += int(new.lora_slot >= 0)
-        for name in _features(params):
-            self.num_rows_using[name] += 1
-        for name, counter in self.values.items():
-            counter[getattr(self, name)[slot].item()] += 1
+        self._count(slot, 1)
         return slot
+
+    def _count(self, slot: int, delta: int) -> None:
+        """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature and value."""
+        self.num_lora_rows += delta * int(self.lora_slot[slot] >= 0)
+        for name in _features(self.params[slot]):
+            self.num_rows_using[name] += delta
+        for name, counter in self.values.items():
+            value = getattr(self, name)[slot].item()
+            counter[value] += delta
+            if not counter[value]:
+                del counter[value]
 
     def _append_blocks(self, slots: np.ndarray, block_ids: list[list[int]]) -> None:
         """Append block_ids[i] to the table of slots[i] (distinct slots), with the KV slots of the positions they
@@ -163,15 +165,8 @@ class InputBatch:
         keep[rows] = False
         for slot in self.slots[rows].tolist():
             self.block_tables[slot, :self.num_blocks[slot]] = 0  # columns past a row's table are padding
-            for name in _features(self.params[slot]):
-                self.num_rows_using[name] -= 1
-            for name, counter in self.values.items():
-                value = getattr(self, name)[slot].item()
-                counter[value] -= 1
-                if not counter[value]:
-                    del counter[value]
+            self._count(slot, -1)
             self.params[slot] = None
-            self.num_lora_rows -= int(self.lora_slot[slot] >= 0)
             self._free_slots.append(slot)
         self.req_ids = [request_id for request_id, kept in zip(self.req_ids, keep) if kept]
         self.slots = self.slots[keep]

@@ -1,8 +1,5 @@
-"""The streaming engine: add / abort requests and step the continuous batch.
-
-Not thread-safe: one thread owns an LLMEngine (the Triton backend's engine thread, or `LLM.generate`)
-and calls add_request / abort_request between steps.
-"""
+"""The streaming engine: add / abort requests and step the continuous batch (docs/architecture.md, "Streaming
+engine API"). Not thread-safe: one thread owns an LLMEngine and calls add_request / abort_request between steps."""
 from __future__ import annotations
 
 import os
@@ -63,11 +60,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams,
                     stream: bool = True, grammar: CompiledGrammar | None = None) -> None:
-        """Queue a request. Raises ValueError (message starting with the field) for bad input. stream=True: a
-        RequestOutput every step (new tokens, text delta); False: one when it finishes, with all of them. With
-        n > 1, each of the n samples is a sequence of its own, whose outputs carry its index.
-        grammar: the request's structured_outputs compiled already (compile_grammar, on another thread);
-        compiled here when not given. Each sample gets a matcher of its own."""
+        """Queue a request; ValueError (message starting with the field) for bad input. stream=True: an output
+        every step, False: one at the end. grammar: structured_outputs compiled already (else compiled here)."""
         sequence_ids = [request_id] if sampling_params.n == 1 else \
             [f"{index}_{request_id}" for index in range(sampling_params.n)]  # vLLM's names for the samples
         in_use = self.output_processor
@@ -147,8 +141,8 @@ class LLMEngine:
         return outputs
 
     def abort_all(self) -> list[str]:
-        """Abort every request, dropping their final outputs; returns their ids. The runners' batches start
-        empty again, so this also recovers from a step that raised half-way."""
+        """Abort every request, dropping their final outputs; returns their ids. The runners' batches start empty
+        again, so this also recovers from a step that raised half-way."""
         request_ids = sorted(self.output_processor.request_ids())
         for request_id in request_ids:
             self.abort_request(request_id)
@@ -157,22 +151,18 @@ class LLMEngine:
         return request_ids
 
     def fail_and_recover(self, request_ids) -> list[str]:
-        """After step() raised: drop the requests in request_ids (the suspects: those admitted or changed since
-        the last step that succeeded; their blocks are freed and no output comes for them) and preempt every
-        other running request by recompute (blocks freed, back to waiting, its tokens kept), so step() can be
-        retried without the suspects. Returns the ids dropped (the caller fails them).
-        The retry repeats the failed step for the others when it failed before its results were applied
-        (scheduling, the forward pass, sampling): seeded and greedy requests then get the same tokens."""
+        """After step() raised: drop the suspects in request_ids (blocks freed, no output) and preempt every other
+        running request by recompute, so step() can be retried without them. Returns the ids dropped. A step that
+        failed before its results were applied is repeated: seeded and greedy requests get the same tokens."""
         dropped = [request_id for request_id in request_ids if self._abort(request_id)]
         self._reset_batch()
         # a request the failed step finished before it raised is gone from the output processor: it leaves too
-        for request_id in self.scheduler.waiting_ids() - set(self.output_processor.requests):
+        for request_id in {seq.request_id for seq in self.scheduler.waiting} - self.output_processor.requests.keys():
             self.scheduler.abort(request_id)
         return dropped
 
     def _reset_batch(self) -> None:
-        """Every running request back to waiting and the runners' batches empty: the scheduler and the runners
-        agree again whatever part of a step failed."""
+        """Every running request back to waiting and the runners' batches empty, whatever part of a step failed."""
         self.scheduler.preempt_all()
         self.executor.call("reset_batch")
         for seq in self.scheduler.waiting:  # a step that failed in the output processor advanced only some
@@ -184,8 +174,7 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """The abort notices queued since the last step, then this step's outputs. The notices are taken only
-        once the step has succeeded: a step that raises loses none of them."""
+        """The abort notices queued since the last step (kept if the step raises), then this step's outputs."""
         outputs: list[RequestOutput] = []
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
@@ -201,8 +190,7 @@ class LLMEngine:
         return outputs
 
     def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:
-        """The tokens that the step's sampling rows with structured outputs may take (None when no request has
-        them)."""
+        """The tokens the step's sampling rows with structured outputs may take (None when no request has them)."""
         if not self.output_processor.constrained:
             return None
         return self.structured_outputs.bitmask([seq.grammar for seq in compress(self.scheduler.running,
@@ -219,8 +207,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": blocks.prefix_cache_hit_tokens,
             "prompt_tokens_computed": self.scheduler.prompt_tokens_computed,
             "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "generation_tokens": self.num_generation_tokens,
         }
 

@@ -1,10 +1,6 @@
 """LoRA adapters on the engine's side: what a request's lora_name names, and which adapter each of the max_loras
-device slots holds.
-
-The scheduler admits a sequence only while its adapter has a slot, so a step never needs more than max_loras
-adapters. A slot no running sequence uses keeps its adapter (a later request for it costs nothing) until another
-adapter needs the slot: idle slots are refilled least recently used first. A refill travels in the
-SchedulerOutput (`lora_loads`), and each runner copies the adapter into its slot (models/lora.py)."""
+device slots holds (docs/architecture.md, "Multi-LoRA"). A slot no running sequence uses keeps its adapter until
+another adapter needs it (least recently used first); a refill travels in the SchedulerOutput's `lora_loads`."""
 from __future__ import annotations
 
 from collections import OrderedDict

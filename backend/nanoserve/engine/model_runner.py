@@ -88,6 +88,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CUDAGraphRunner | None = None
+        self.step_prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = {}  # the last forward's
 
     # ---- setup ----
     def init_kv_cache(self) -> int:
@@ -169,32 +170,29 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
         rank 0's RunnerOutput (None on the other ranks)."""
-        logits, prompt_logprobs = self._run(out)
-        return None if logits is None else self.sample(logits, bitmask, prompt_logprobs)
+        logits = self.run_model(out)
+        return None if logits is None else self.sample(logits, bitmask)
 
+    @torch.inference_mode()
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Apply the step's diffs and run the forward: the float32 logits [sampling rows, vocab] in row order on
         rank 0, None on the other ranks."""
-        return self._run(out)[0]
-
-    @torch.inference_mode()
-    def _run(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, dict[str, tuple[int, PromptLogprobs]]]:
-        """run_model, and the prompt logprobs the step computes."""
         self.batch.update(out)
         for slot, adapter in out.lora_loads:
             self.loras.load(slot, adapter.id, adapter.path)
-        inputs = self.batch.prepare(out)
-        if not len(inputs.input_ids):  # a step that only preempted
-            return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device), {}
-        hidden, logits_indices = self.hidden_states(inputs)
-        prompt_logprobs = {}
-        if inputs.prompt_positions is not None:
-            prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_positions)
-        return self.logits(hidden, logits_indices), prompt_logprobs
+        return self.forward(self.batch.prepare(out))
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others."""
-        return self.logits(*self.hidden_states(inputs))
+        """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.
+        The prompt logprobs the step computes wait in self.step_prompt_logprobs for sample()."""
+        self.step_prompt_logprobs = {}
+        if not len(inputs.input_ids):  # a step that only preempted
+            return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device)
+        hidden, logits_indices = self.hidden_states(inputs)
+        if inputs.prompt_positions is not None:
+            self.step_prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_positions)
+        logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
+        return None if logits is None else logits.float()
 
     def hidden_states(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's last hidden states [step tokens, hidden] and the indices of the sampled ones on the device
@@ -212,14 +210,6 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.backend.build(batch), lora)
         every_token = len(inputs.logits_indices) == len(inputs.input_ids)  # every token is sampled, in order
         return hidden, None if every_token else logits_indices
-
-    def logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor | None) -> torch.Tensor | None:
-        """float32 logits of the sampled tokens' hidden states (all of them: logits_indices None) on rank 0, None
-        on the others."""
-        if logits_indices is not None:
-            hidden = hidden[logits_indices]
-        logits = self.model.compute_logits(hidden)
-        return None if logits is None else logits.float()
 
     def prompt_logprobs(self, hidden: torch.Tensor,
                         positions: PromptPositions) -> dict[str, tuple[int, PromptLogprobs]]:
@@ -246,10 +236,9 @@ class ModelRunner:
             offset += count
         return chunks
 
-    def sample(self, logits: torch.Tensor, bitmask: TokenBitmask | None = None,
-               prompt_logprobs: dict | None = None) -> RunnerOutput:
+    def sample(self, logits: torch.Tensor, bitmask: TokenBitmask | None = None) -> RunnerOutput:
         """The next tokens of the rows the last prepared step samples, from their logits (within the bitmask of
-        the rows with structured outputs), and the step's prompt logprobs, passed through."""
+        the rows with structured outputs), with the step's prompt logprobs."""
         meta = self.batch.sampling_metadata(self.device, bitmask)
         sampled = self.sampler(logits, meta)
         top = {}
@@ -260,10 +249,10 @@ class ModelRunner:
             else:
                 top = dict(zip(meta.logprob_rows, zip(sampled.top_token_ids.tolist(), sampled.top_logprobs.tolist(),
                                                       ranks)))
-        if self.device.type == "cpu":
-            return RunnerOutput(sampled.token_ids.numpy(), sampled.sampled_logprobs.numpy(), top, prompt_logprobs or {})
-        return RunnerOutput(sampled.token_ids.cpu().numpy(), sampled.sampled_logprobs.cpu().numpy(), top,
-                            prompt_logprobs or {})
+        token_ids, logprobs = sampled.token_ids, sampled.sampled_logprobs
+        if self.device.type != "cpu":  # (.cpu() costs host time even on a CPU tensor)
+            token_ids, logprobs = token_ids.cpu(), logprobs.cpu()
+        return RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, self.step_prompt_logprobs)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""

@@ -1,15 +1,8 @@
-"""Outputs in one place: per request its detokenizer, the stop rule (EOS, stop_token_ids, stop strings, the
-length limit) and the RequestOutputs a step produces.
-
-A streamed request gets a RequestOutput (new tokens, text delta) every step it samples; any other only when it
-finishes, with all its tokens and text, and is detokenized per step only when stop strings need the text. The
-rows that need no Python this step (not streamed, no stop strings or logprobs, below their length limit, and
-whose token cannot stop them) cost a few numpy calls over the batch. A request with structured outputs is looked
-at every step: its grammar's matcher takes each token, and ends the request ("stop") once the grammar is complete.
-
-A request with n > 1 is n sequences (its samples); each has its own state, matcher and outputs, carrying the
-request's id and the sample's index. An output's `finished` says the request has ended: it is set on the output of
-the last sample to finish."""
+"""Outputs in one place (docs/architecture.md, "Output processor"): per sequence its detokenizer, the stop rule
+(EOS, stop_token_ids, stop strings, grammars, the length limit) and the RequestOutputs a step produces. A streamed
+sequence gets an output every step it samples, any other one when it finishes; rows that need no Python this step
+cost a few numpy calls. A request with n > 1 is n sequences whose outputs carry the sample's index; `finished`
+is set on the output of the last one to finish."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -151,12 +144,11 @@ class OutputProcessor:
     def _sequence_done(self, state: RequestState) -> bool:
         """A sequence of the request has finished: True when it was the last one."""
         samples = state.samples
-        if samples is None:
-            return True
-        samples.num_unfinished -= 1
-        if samples.num_unfinished:
-            return False
-        del self.samples[state.request_id]
+        if samples is not None:
+            samples.num_unfinished -= 1
+            if samples.num_unfinished:
+                return False
+            del self.samples[state.request_id]
         return True
 
     def _add_prompt_logprobs(self, chunks: dict[str, tuple[int, PromptLogprobs]]) -> None:
@@ -164,10 +156,9 @@ class OutputProcessor:
         after a preemption writes the same places again."""
         for sequence_id, (start, chunk) in chunks.items():
             state = self.requests.get(sequence_id)
-            if state is None or state.prompt_logprobs is None:
-                continue
-            whole, end = state.prompt_logprobs, start - 1 + len(chunk.token_ids)
-            whole.logprobs[start - 1:end], whole.ranks[start - 1:end] = chunk.logprobs, chunk.ranks
+            if state is not None and state.prompt_logprobs is not None:
+                whole, end = state.prompt_logprobs, start - 1 + len(chunk.token_ids)
+                whole.logprobs[start - 1:end], whole.ranks[start - 1:end] = chunk.logprobs, chunk.ranks
 
     def process(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput,
                 outputs: list[RequestOutput]) -> list[tuple[Sequence, str]]:

@@ -1,21 +1,10 @@
-"""Continuous batching with chunked prefill, in vLLM v1's manner: there is no prefill or decode phase. Each
-sequence has num_computed_tokens (KV in the cache) and num_tokens (prompt + output so far); each step gives
-the running sequences, oldest first, the tokens they lack within the token budget (one for a decode, a chunk
-of a prompt, a whole prompt again after preemption), then admits waiting ones FIFO with what is left. When
-KV blocks run out the newest running sequence is preempted by recompute: its blocks are freed and it goes
-back to the front of the waiting queue.
-
-The running sequences are the rows of the batch, and their numbers are columns of one array: tokens computed
-(kept only here: a waiting sequence has none), tokens and KV slots held (the lengths of the sequence's token
-list and block table, written where those change), prompt length and length limit. A step's decisions are numpy
-over the rows; only the rows that need a new block, and admissions, cost Python.
-
-The n samples of a request are n sequences. The first computes the prompt; the others wait in the queue behind it
-until it has, then start from its full prompt blocks (shared by reference count) and compute only the rest of the
-prompt, as vLLM v1's samples start from the prefix cache.
-
-With LoRA adapters, a waiting sequence is admitted only while its adapter holds or can take one of the max_loras
-device slots (engine/lora.py); one that cannot is passed over, keeping its place, for those behind it."""
+"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"): no prefill or
+decode phase; each step gives the running sequences, oldest first, the tokens they lack within the token budget,
+then admits waiting ones FIFO with what is left. When KV blocks run out, the newest running sequence is preempted
+by recompute. The running sequences are the batch's rows and their numbers columns of one array, so a step decides
+with numpy; only rows that need a block, and admissions, cost Python. A request's later samples (n > 1) wait until
+its first has computed the prompt, then share its full prompt blocks. With LoRA, a waiting sequence is admitted
+only while its adapter holds or can take a device slot (engine/lora.py); else it is passed over, keeping its place."""
 from __future__ import annotations
 
 from collections import deque
@@ -43,8 +32,6 @@ class SampledSeqs:
 
 class Scheduler:
     def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None):
-        # Reads only max_num_seqs, max_num_batched_tokens, max_model_len, kvcache_block_size. lora_slots: the
-        # adapters' device slots, when the engine serves LoRA adapters.
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -64,26 +51,13 @@ class Scheduler:
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
 
     # ---- queues ----
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def check_admissible(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError (naming the field) for a request that could never be served."""
         if num_prompt_tokens == 0:
             raise ValueError("prompt: empty (at least one token is needed)")
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(f"prompt: {num_prompt_tokens} tokens leaves no room to generate within "
                              f"max_model_len ({self.max_model_len})")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - num_prompt_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) = "
                              f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})")
@@ -291,17 +265,6 @@ class Scheduler:
         if self.lora_slots is not None:  # the step may have failed half-way through loading an adapter
             self.lora_slots.forget()
 
-    def waiting_ids(self) -> set[str]:
-        return {seq.request_id for seq in self.waiting}
-
     def num_computed_tokens(self, seq: Sequence) -> int:
         """Tokens of seq whose KV is in the cache (0 unless it is running)."""
         return int(self.columns[0, self.running.index(seq)]) if seq.status is SequenceStatus.RUNNING else 0
-
-    def check_columns(self) -> None:
-        """Assert the columns match the running sequences (a testing aid)."""
-        lengths = [[s.num_tokens, len(s.block_table) * self.block_size, s.num_prompt_tokens, s.max_num_tokens]
-                   for s in self.running]
-        assert self.columns[1:, :len(self.running)].T.tolist() == lengths, (self.columns, lengths)
-        assert not self.columns[:, len(self.running):].any()
-        assert (self.columns[0, :len(self.running)] <= self.columns[1, :len(self.running)]).all()

@@ -1,10 +1,6 @@
-"""What the scheduler sends the model runners each step: diffs against the batch each runner keeps (so a
-tensor-parallel worker receives only what changed), and the step's work as arrays over the batch's rows.
-
-The rows are the running sequences in the scheduler's order. A runner applies the diffs in this order: the
-tokens sampled in the previous step, the removals (finished and preempted ids), the new rows; then row i of
-the arrays is running sequence i. LoRA adapters named in lora_loads are copied into their device slots before
-the step's forward (a slot is refilled only when no row uses it)."""
+"""What the scheduler sends the model runners each step: diffs against the batch each runner keeps (a
+tensor-parallel worker receives only what changed), and the step's work as arrays over the batch's rows (the running
+sequences in the scheduler's order, once the diffs are applied in the order of the fields below)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -50,7 +46,3 @@ class SchedulerOutput:
     @property
     def num_rows(self) -> int:
         return len(self.num_scheduled_tokens)
-
-    @property
-    def num_sampled(self) -> int:
-        return int(self.samples.sum())

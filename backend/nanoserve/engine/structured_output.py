@@ -1,12 +1,8 @@
 """Structured outputs with xgrammar: a request's JSON schema, regex, choice or grammar is compiled once for the
-model's vocabulary (cached per grammar text), each request walks its grammar with a matcher, and before every
-sampling step the matchers fill a token bitmask (bit j of a row: token j may come next) that the sampler applies
-to the logits.
-
-Compiling may run on any thread (the serving path compiles on the request's own thread, so a slow grammar never
-stalls the engine thread); the matchers and the bitmask belong to the engine thread. A request's matcher lives on
-its Sequence and leaves with it. It advances with every token the request generates (they are never taken back:
-a preempted request keeps its tokens and its matcher, and only recomputes their KV)."""
+model's vocabulary (cached; on any thread, so the serving path compiles on the request's own thread), each sequence
+walks it with a matcher that lives on its Sequence, and before every sampling step the matchers fill a token
+bitmask that the sampler applies to the logits. A preempted sequence keeps its tokens, so its matcher never goes
+back."""
 from __future__ import annotations
 
 import json

@@ -1,15 +1,7 @@
-"""Batched LoRA for the tensor-parallel linear layers: requests with different adapters, and requests without one,
-share a step (punica's idea, SGMV's segments).
-
-Every adapter-capable linear keeps the weights of `num_slots` adapters stacked, one slot per adapter the device
-holds: A [slots, parts * max_rank, in] and B [slots, out, max_rank], a smaller rank zero-padded to max_rank and
-the adapter's scaling folded into B. A fused linear (q/k/v, gate/up) has one A and B per part: part i's A rows are
-i * max_rank .. (i + 1) * max_rank, its B rows are the part's output columns. A step's `LoRABatch` holds each
-token's slot; each token adds (x @ A_slot.T) @ B_slot.T to its row of the linear's output, tokens of the base
-model (slot -1) nothing: kernels/lora.py on CUDA (punica's BGMV shape), else the torch reference, which groups
-the tokens by slot. Under tensor parallelism A and B are sharded like the weight: a column-parallel layer keeps all
-of A and its rows of B; a row-parallel one its columns of A and all of B, its partial delta summed by the layer's
-all-reduce with the partial output.
+"""Batched LoRA for the tensor-parallel linear layers (docs/architecture.md, "Multi-LoRA"): tokens of different
+adapters, and of none, share a step (punica's BGMV/SGMV). Each adapter-capable linear stacks the weights of
+`num_slots` adapters: A [slots, parts * max_rank, in], B [slots, out, max_rank] (ranks zero-padded, the scaling in
+B), sharded like the weight; a token of slot s adds (x @ A_s.T) @ B_s.T to its row of the output.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""Logits -> next tokens, from tensors only (the batch's per-row parameters come in a SamplingMetadata).
-
-Per step: penalties, min_tokens masking and the token bitmask of structured outputs edit the logits; logprobs
-are read there (before temperature, top-k, top-p and min-p, so they describe the model's distribution, not the
-sampling one); then greedy rows take the argmax and the others sample from the tempered, filtered distribution:
-- unseeded rows by inverse CDF, one uniform draw per row from the Sampler's generator (drawing Exp(1) noise
-  for every vocabulary entry, as the exponential race does, costs far more than the rest of the sampler);
-- a seeded row by the exponential race argmax(probs / Exp(1) noise), its noise drawn only from (seed, number
-  of tokens it has generated), so it gets the same tokens whatever else shares the batch.
-Filtered-out tokens have probability exactly 0, and neither method can pick one.
-"""
+"""Logits -> next tokens, from tensors only (docs/architecture.md, "Sampler"). Penalties, min_tokens and the token
+bitmask edit the logits, logprobs are read there, then greedy rows take the argmax and the others sample from the
+tempered, filtered distribution: unseeded rows by inverse CDF, one uniform per row (Exp(1) noise for every
+vocabulary entry costs more than the rest of the sampler); seeded rows by an exponential race whose noise depends
+only on (seed, tokens generated), so they are batch-independent. Filtered-out tokens have probability 0."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -99,7 +93,8 @@ class Sampler:
             if meta.token_bitmask is not None:
                 bitmask, rows = meta.token_bitmask
                 apply_token_bitmask_inplace(logits, bitmask, indices=rows)
-        row_max = _finite_row_max(logits)
+        # row max, 0 where not finite (a row of -inf gives logsumexp -inf, as torch's does)
+        row_max = logits.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         shifted = logits - row_max  # the row max becomes 0: exp never overflows
         weights = shifted.exp()  # unnormalized probabilities at temperature 1
         log_norm = weights.sum(dim=-1).log_().add_(row_max.squeeze(1))  # logsumexp(logits), in fewer passes
@@ -122,7 +117,8 @@ class Sampler:
                 meta: SamplingMetadata) -> torch.Tensor:
         """Sampled token ids [N]. shifted = logits - row max and weights = exp(shifted) are scratch: both are
         overwritten here. Temperature and the filters act on shifted logits (the same distributions)."""
-        reweighted = not _is_one(meta.temperatures)  # once true, weights are no longer exp(scaled)
+        # once true, weights are no longer exp(scaled)
+        reweighted = isinstance(meta.temperatures, torch.Tensor) or meta.temperatures != 1
         scaled = shifted.div_(meta.temperatures) if reweighted else shifted  # the row max stays 0
         if meta.top_ks is not None or meta.top_ps is not None:
             scaled, reweighted = apply_top_k_top_p(scaled, meta.top_ks, meta.top_ps, meta.max_top_k), True
@@ -197,11 +193,6 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
     return values.argmax(dim=-1)
 
 
-def _finite_row_max(logits: torch.Tensor) -> torch.Tensor:
-    """Row max [N, 1], 0 where it is not finite (so a row of -inf gives logsumexp -inf, as torch's does)."""
-    return logits.amax(dim=-1, keepdim=True).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: Scalar | torch.Tensor | None,
                       top_ps: Scalar | torch.Tensor | None, max_top_k: int | None = None) -> torch.Tensor:
     """Mask to -inf all tokens outside each row's top-k, then outside the smallest set whose probability
@@ -249,7 +240,3 @@ def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     counts = torch.zeros(ids.shape[0], vocab_size + 1, device=ids.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
     return counts[:, :vocab_size]
-
-
-def _is_one(value: Scalar | torch.Tensor) -> bool:
-    return not isinstance(value, torch.Tensor) and value == 1

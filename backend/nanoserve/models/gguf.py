@@ -20,7 +20,7 @@ from nanoserve.cache import build_once, default_cache_dir
 
 FORMAT_VERSION = 1  # part of the cache path: bump it when the converted output changes
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# llama.cpp's converter reorders the q/k rows of these architectures for GGML's rope (see _undo_rope_permutation)
+# llama.cpp's converter reorders the q/k rows of these architectures for GGML's rope (undo_rope_permutation)
 PERMUTED_QK = ("llama",)
 
 CONFIG_FIELDS = {  # "<arch>.<key>" -> config.json field
@@ -77,7 +77,10 @@ def convert(path: Path, out: Path) -> None:
             raise ValueError(f"{path}: tensor {tensor.name!r} is not supported for architecture {arch!r}")
         tensors[name] = _dequantized(tensor, path)
     if arch in PERMUTED_QK:
-        _undo_rope_permutations(tensors, config)
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        for name, weights in tensors.items():
+            if (projection := name.split(".")[-2]) in heads:
+                tensors[name] = undo_rope_permutation(weights, heads[projection])
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -114,14 +117,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
         return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{parts[3]}"
     return None
-
-
-def _undo_rope_permutations(tensors: dict[str, np.ndarray], config: dict) -> None:
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name, weights in tensors.items():
-        projection = name.split(".")[-2]
-        if projection in heads:
-            tensors[name] = undo_rope_permutation(weights, heads[projection])
 
 
 def undo_rope_permutation(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -38,15 +38,11 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 except ValueError as e:
                     raise ValueError(f"weight {key!r} in {os.path.basename(path)}: {e}") from None
                 loaded.add((name, shard))
-    missing = sorted(f"{name}" + (f" (shard {shard!r})" if shard is not None else "")
-                     for name, shard in expected - loaded)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing weights: {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"unexpected weights: {', '.join(sorted(unexpected))}")
-        raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(parts))
+    missing = sorted(name + ("" if shard is None else f" (shard {shard!r})") for name, shard in expected - loaded)
+    problems = [f"{kind} weights: {', '.join(names)}" for kind, names in (("missing", missing),
+                                                                          ("unexpected", sorted(unexpected))) if names]
+    if problems:
+        raise ValueError(f"checkpoint {model_dir} does not match {type(model).__name__}: " + "; ".join(problems))
 
 
 def map_name(key: str, packed: dict) -> tuple[str, object]:

@@ -3,10 +3,7 @@
 A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `target_modules`, ...) and
 `adapter_model.safetensors` with, per adapted module, `base_model.model.<module>.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r]; the module's output gains scaling * B @ A @ x, scaling = lora_alpha / r (rsLoRA:
-lora_alpha / sqrt(r)). Adapters of the q/k/v/o projections and the gate/up/down MLP projections are supported.
-
-`LoRAStore` gives the model's fused linears their stacked slots (layers/lora.py) and fills a slot with an adapter
-when the scheduler says so, from an LRU of the adapters read into CPU memory.
+lora_alpha / sqrt(r)). `LoRAStore` fills the model's stacked slots (layers/lora.py) from an LRU in CPU memory.
 """
 from __future__ import annotations
 
@@ -65,26 +62,16 @@ def read_adapter_config(path: str) -> dict:
     return config
 
 
-def lora_scaling(config: dict) -> float:
-    alpha, rank = config.get("lora_alpha", config["r"]), config["r"]
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-
-
 def check_peft_adapter(path: str, model_dir: str, max_rank: int) -> None:
     """Raise ValueError unless path is a PEFT LoRA adapter for the checkpoint in model_dir whose rank is at most
     max_rank (reads the files' headers, no weights)."""
     config = read_adapter_config(path)
     if config["r"] > max_rank:
         raise ValueError(f"max_lora_rank: the adapter's rank r={config['r']} exceeds max_lora_rank ({max_rank})")
-    shapes = _shapes(_weights_file(path))
     base = {}
     for file in glob.glob(os.path.join(model_dir, "*.safetensors")):
         base.update(_shapes(file))
-    modules = {}
-    for key, shape in shapes.items():
-        module, matrix = _parse_key(key)
-        modules.setdefault(module, {})[matrix] = shape
-    for module, pair in modules.items():
+    for module, pair in _by_module(_shapes(_weights_file(path))).items():
         out_size, in_size = base.get(module + ".weight", (None, None))
         if out_size is None:
             raise ValueError(f"{path}: the base model has no {module} (an adapter for another model?)")
@@ -96,13 +83,10 @@ def check_peft_adapter(path: str, model_dir: str, max_rank: int) -> None:
 
 def read_peft_adapter(path: str) -> PeftAdapter:
     config = read_adapter_config(path)
-    tensors = load_file(_weights_file(path), device="cpu")
-    pairs = {}
-    for key, tensor in tensors.items():
-        module, matrix = _parse_key(key)
-        pairs.setdefault(module, {})[matrix] = tensor
-    weights = {module: (pair["lora_A"], pair["lora_B"]) for module, pair in pairs.items()}
-    return PeftAdapter(lora_scaling(config), weights)
+    pairs = _by_module(load_file(_weights_file(path), device="cpu"))
+    alpha, rank = config.get("lora_alpha", config["r"]), config["r"]
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return PeftAdapter(scaling, {module: (pair["lora_A"], pair["lora_B"]) for module, pair in pairs.items()})
 
 
 def _weights_file(path: str) -> str:
@@ -117,15 +101,18 @@ def _shapes(file: str) -> dict[str, list[int]]:
         return {key: list(f.get_slice(key).get_shape()) for key in f.keys()}
 
 
-def _parse_key(key: str) -> tuple[str, str]:
-    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj',
-    'lora_A')."""
-    parts = key.removeprefix(_KEY_PREFIX).rsplit(".", 2)
-    module, matrix, suffix = parts if len(parts) == 3 else ("", "", "")
-    if matrix not in ("lora_A", "lora_B") or suffix != "weight" or module.rpartition(".")[2] not in TARGET_MODULES:
-        raise ValueError(f"unsupported LoRA weight {key!r} (supported: lora_A/lora_B of "
-                         f"{', '.join(TARGET_MODULES)})")
-    return module, matrix
+def _by_module(values: dict) -> dict[str, dict]:
+    """{'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': v, ...} ->
+    {'model.layers.0.self_attn.q_proj': {'lora_A': v, ...}, ...}."""
+    modules = {}
+    for key, value in values.items():
+        parts = key.removeprefix(_KEY_PREFIX).rsplit(".", 2)
+        module, matrix, suffix = parts if len(parts) == 3 else ("", "", "")
+        if matrix not in ("lora_A", "lora_B") or suffix != "weight" or module.rpartition(".")[2] not in TARGET_MODULES:
+            raise ValueError(f"unsupported LoRA weight {key!r} (supported: lora_A/lora_B of "
+                             f"{', '.join(TARGET_MODULES)})")
+        modules.setdefault(module, {})[matrix] = value
+    return modules
 
 
 class LoRAStore:

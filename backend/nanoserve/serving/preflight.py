@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from tritonclient.grpc import model_config_pb2
 
 from nanoserve.config import EngineConfig
-from nanoserve.models.registry import MODELS
+from nanoserve.models import MODELS
 from nanoserve.models.gguf import as_checkpoint_dir
 from nanoserve.models.lora import check_peft_adapter
 from nanoserve.serving.model_json import MULTI_LORA_JSON, load_engine_args, lora_modules
