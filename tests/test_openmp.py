@@ -40,3 +40,19 @@ def test_registrations_of_processes_that_are_gone_are_removed(tmp_path, monkeypa
         (tmp_path / name).write_text("0x1-cafe-libiomp5.so")
     openmp.remove_stale_registrations()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+BLOCKTIME_PROBE = ("import ctypes, nanoserve, torch\n"
+                   "torch.randn(300, 300).exp().sum()\n"
+                   "print(ctypes.CDLL(nanoserve.openmp.intel_openmp_path()).kmp_get_blocktime())")
+
+
+@pytest.mark.skipif(intel_openmp_path() is None, reason="the intel-openmp package is not installed")
+@pytest.mark.parametrize("given,expected", [(None, "5"), ("7", "7")])
+def test_intel_openmp_threads_spin_briefly(given, expected):
+    """5 ms of spinning after a parallel region (not Intel's 200 ms), unless KMP_BLOCKTIME says otherwise."""
+    env = {k: v for k, v in os.environ.items() if k != "KMP_BLOCKTIME"}
+    if given is not None:
+        env["KMP_BLOCKTIME"] = given
+    out = subprocess.run([sys.executable, "-c", BLOCKTIME_PROBE], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == expected

@@ -39,8 +39,8 @@ class AttentionBatch:
 
 
 class TorchBackend:
-    """Plans the step's host work (row groups, gather indices, masks) once for all layers; on the CPU keeps
-    each layer's gathered decode context between steps, in a workspace of at most the KV cache's size."""
+    """Plans the step's host work (decode row order, copy positions, masks) once for all layers; on the CPU
+    keeps each layer's decode K/V buffers between steps, in a workspace of at most the KV cache's size."""
     name, capturable = "torch", False
 
     def __init__(self):
