@@ -115,7 +115,7 @@ def test_a_killed_or_hung_stub_fails_its_streams_and_the_model_serves_again(qwen
             assert collect(events).error is not None  # not a hang: the old server went away
             client.close()
         failed = time.monotonic() - killed
-        tritons.append(child_pid(cli.pid, timeout=TIMEOUT, exclude=tritons))
+        tritons.append(new_tritonserver(cli, tritons))
         wait_until(lambda: http_ready(ports[0], "/v2/models/nanoserve/ready"), LOAD_TIMEOUT, cli)
         serving = time.monotonic() - killed
         assert stream(server, "nanoserve", text_input="Hi", sampling_parameters={"max_tokens": 4}).error is None
@@ -133,6 +133,18 @@ def test_a_killed_or_hung_stub_fails_its_streams_and_the_model_serves_again(qwen
             kill_group(pid)
         cli.wait()
         cli.stdout.close()
+
+
+def new_tritonserver(cli, known: list[int]) -> int:
+    """The tritonserver the CLI started after `known`; fails with what the CLI printed if there is none."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (children := [pid for pid, _, ppid, _ in processes() if ppid == cli.pid and pid not in known]):
+        if cli.poll() is None and time.monotonic() > deadline:
+            cli.kill()
+        if cli.poll() is not None:
+            pytest.fail(f"no new tritonserver; nanoserve serve exited with code {cli.wait()}:\n{cli.stdout.read()}")
+        time.sleep(0.1)
+    return children[0]
 
 
 def test_a_closed_port_is_no_verdict():
