@@ -70,8 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x.shape[0] > PACKED_ROWS[-1]:
         return torch.cat([linear(piece, weight, bias, packed) for piece in x.split(PACKED_ROWS[-1])])
     rows = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, packed_rows(rows) - rows)) if rows not in PACKED_ROWS else x
-    return onednn_linear(padded, packed, bias)[:rows]
+    padding = packed_rows(rows) - rows
+    return onednn_linear(F.pad(x, (0, 0, 0, padding)) if padding else x, packed, bias)[:rows]
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,7 +5,8 @@
     drain_seconds       `nanoserve serve`, before it stops tritonserver: take no new request, give those in
                         flight up to this many seconds to finish, end the rest, then answer
 
-Each is answered with an empty FINAL response once done. Triton's ensemble scheduler passes no cancel on to a
+Each is answered with one FINAL response once done (a cancel with the flag alone, a drain with a response without
+outputs, which HTTP /generate expects). Triton's ensemble scheduler passes no cancel on to a
 decoupled step that is running, and once tritonserver stops, its composing models take no new request, so an
 ensemble whose token stream is still running can never end; the drain ends every stream before that.
 """

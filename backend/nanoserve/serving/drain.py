@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 
 from nanoserve.serving.control import DRAIN_PARAMETER
+from nanoserve.serving.liveness import generate_request
 
 PROMPT_INPUT = {"text": {"text_input": ""}, "tokens": {"input_ids": [0]}}  # inputs Triton requires, unread
 ANSWER_GRACE = 30.0  # seconds a model may take beyond the drain's own to answer it
@@ -37,8 +38,7 @@ def drain(url_http: str, models: dict[str, str], seconds: float, received: list[
 
 def _drain_one(url_http: str, model: str, mode: str, seconds: float, failures: list[str]) -> None:
     body = json.dumps({**PROMPT_INPUT[mode], DRAIN_PARAMETER: seconds}).encode()
-    request = urllib.request.Request(f"http://{url_http}/v2/models/{model}/generate", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = generate_request(url_http, model, body)
     try:
         with urllib.request.urlopen(request, timeout=seconds + ANSWER_GRACE) as response:
             error = json.loads(response.read()).get("error")

@@ -345,6 +345,11 @@ class SignalWatcher:
             signal.signal(sig, handler)
 
 
+def say(message: str) -> None:
+    """One line of `nanoserve serve`'s own on stderr (tritonserver's log goes elsewhere)."""
+    print(f"nanoserve: {message}", file=sys.stderr, flush=True)
+
+
 def exit_code(code: int | None, received: list[int]) -> int:
     """A stopped server's exit code for this process: the shell's 128 + N for a signal."""
     if code is None:  # the signal came before the server started

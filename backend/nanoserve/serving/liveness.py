@@ -54,10 +54,8 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
     """Why the model did not answer the question (None: it did). It did not when it took the question and gave no
     answer within `timeout` seconds, or when tritonserver answered for it that its stub is not healthy (a stub that
     hangs whole, or was stopped)."""
-    request = urllib.request.Request(f"http://{url_http}/v2/models/{model}/generate", data=PROBE,
-                                     headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(generate_request(url_http, model, PROBE), timeout=timeout) as response:
             response.read()
         return None
     except urllib.error.HTTPError as e:
@@ -71,6 +69,12 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
     except (ConnectionError, http.client.HTTPException):
         timed_out = False  # a server going away: the supervisor sees it exit
     return f"model {model} answered no request within {timeout:g} s" if timed_out else None
+
+
+def generate_request(url_http: str, model: str, body: bytes) -> urllib.request.Request:
+    """A POST of a JSON body to the model's HTTP /generate."""
+    return urllib.request.Request(f"http://{url_http}/v2/models/{model}/generate", data=body,
+                                  headers={"Content-Type": "application/json"})
 
 
 def text_models(url_http: str) -> list[str]:

@@ -56,6 +56,16 @@ TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_I
 TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
 # mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
 # precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
+TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
+TOKEN_OUTPUTS = [
+    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
+    {"name": "detokenize_params", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "request_id", "data_type": "TYPE_STRING", "dims": [1]},  # what a cancel_request_id control names
+    *_COMMON_OUTPUTS,
+]
+
+
 def engine_mode(config: dict) -> str | None:
     """A Triton model config's (as Triton reports it) nanoserve mode: "text" (TEXT_INPUTS -> TEXT_OUTPUTS) or
     "tokens" (TOKEN_INPUTS -> TOKEN_OUTPUTS); None for a model of another backend."""
@@ -66,16 +76,6 @@ def engine_mode(config: dict) -> str | None:
 
 def is_text_model(config: dict) -> bool:
     return engine_mode(config) == "text"
-
-
-TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
-TOKEN_OUTPUTS = [
-    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": "detokenize_params", "data_type": "TYPE_STRING", "dims": [1]},
-    {"name": "request_id", "data_type": "TYPE_STRING", "dims": [1]},  # what a cancel_request_id control names
-    *_COMMON_OUTPUTS,
-]
 
 
 @dataclass

@@ -175,8 +175,7 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
                                    disable_auto_complete_config=args.disable_auto_complete_config,
                                    extra_args=extra, log_file=log_file)
     with launcher.SignalWatcher() as signals:
-        print(f"nanoserve: loading {plan.description} (tritonserver log: {log_file or 'below'})", file=sys.stderr,
-              flush=True)
+        launcher.say(f"loading {plan.description} (tritonserver log: {log_file or 'below'})")
         server.start()
         if not _wait_ready(server, plan.models, signals.received):
             return _stopped(server, signals.received)
@@ -203,13 +202,9 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
 
 def _drain(server: launcher.TritonServer, seconds: float, received: list[int]) -> None:
     """Let the requests in flight finish (up to `seconds`) before tritonserver stops (serving/drain.py)."""
-    _say(f"stopping: the requests in flight get up to {seconds:g} s to finish (again: stop now)")
+    launcher.say(f"stopping: the requests in flight get up to {seconds:g} s to finish (again: stop now)")
     for failure in server.drain(seconds, received):
-        _say(f"drain: {failure}")
-
-
-def _say(message: str) -> None:
-    print(f"nanoserve: {message}", file=sys.stderr, flush=True)
+        launcher.say(f"drain: {failure}")
 
 
 def _log_file(args: argparse.Namespace) -> Path | None:

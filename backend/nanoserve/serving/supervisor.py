@@ -15,12 +15,11 @@ name (/proc/PID/comm): that tells a stub, whether or not it was seen alive.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.serving.launcher import STUB_NAME, TritonServer, processes
+from nanoserve.serving.launcher import STUB_NAME, TritonServer, processes, say
 from nanoserve.serving.liveness import Liveness
 
 CHECK_INTERVAL = 1.0  # seconds between looks at the stubs
@@ -132,14 +131,10 @@ class Supervisor:
         now = time.monotonic()
         self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW] + [now]
         if len(self.restarts) > MAX_RESTARTS:
-            _say(f"{failure}: {len(self.restarts)} restarts within {RESTART_WINDOW:.0f} s; stopping")
+            say(f"{failure}: {len(self.restarts)} restarts within {RESTART_WINDOW:.0f} s; stopping")
             return False
-        _say(f"{failure}; restarting tritonserver")
+        say(f"{failure}; restarting tritonserver")
         self.liveness.stop()
         self.server.restart(RESTART_GRACE)
         self._watch()
         return True
-
-
-def _say(message: str) -> None:
-    print(f"nanoserve: {message}", file=sys.stderr, flush=True)
