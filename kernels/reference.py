@@ -1,5 +1,5 @@
-"""Plain-torch references for every kernel: the oracle the Triton kernels and the torch backend's planned path
-(torch_attention.py) are tested against.
+"""Plain-torch references for every kernel: the oracle the Triton kernels, the CPU kernels (cpu_ops.cpp) and the
+torch backend (torch_attention.py) are tested against, and the torch backend's path where no kernel runs.
 
 KV cache layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 A token's slot is block_id * block_size + offset; slot -1 marks a padded token (not stored).
@@ -29,11 +29,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     starts = query_start_loc[:-1].tolist()
     seq_lens_list = seq_lens.tolist()
-    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
-    for group in _similar_lengths(decode_rows, seq_lens_list):
-        rows = torch.tensor(group, device=q.device)
-        token_idx = query_start_loc[:-1][rows].long()
-        out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+    decode_attention_ref(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
@@ -44,6 +40,19 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         out[start:start + q_len] = _sdpa(q[start:start + q_len].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                          mask[None, None], scale)[0]
     return out
+
+
+def decode_attention_ref(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                         scale: float) -> None:
+    """out's rows of the sequences with one query token (decodes): what cpu_ops.cpp's paged_decode_attention
+    computes. The others are left alone."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
+    for group in _similar_lengths(decode_rows, seq_lens.tolist()):
+        rows = torch.tensor(group, device=q.device)
+        token_idx = query_start_loc[:-1][rows].long()
+        out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
 
 
 def _similar_lengths(rows: list[int], seq_lens: list[int], max_pad: float = 1.5) -> list[list[int]]:

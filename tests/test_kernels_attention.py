@@ -257,8 +257,7 @@ def test_planned_torch_attention_matches_reference(scenario, block_size, group):
     k_cache, v_cache = batch.k_cache.nan_to_num(0.0), batch.v_cache.nan_to_num(0.0)
     slots = new_token_slots(batch, q_lens)
     k_new, v_new = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-    plan = torch_attention.plan_paged_attention(slots, batch.block_tables, batch.query_start_loc,
-                                                batch.seq_lens, block_size, torch.float32)
+    plan = torch_attention.plan_paged_attention(slots, batch.block_tables, batch.query_start_loc, batch.seq_lens)
     expected = batch.reference()
     for _ in range(2):  # one plan serves every layer
         out = torch_attention.paged_attention_planned(batch.q, k_new, v_new, k_cache, v_cache, plan, batch.scale)
@@ -276,8 +275,7 @@ def test_planned_store_kvcache_matches_reference(pad_every):
     caches = [cache.clone() for _ in range(4)]
     plan = torch_attention.plan_paged_attention(slots, torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
                                                 torch.tensor([0, 12], dtype=torch.int32, device=DEVICE),
-                                                torch.tensor([12], dtype=torch.int32, device=DEVICE), 16,
-                                                torch.float32)
+                                                torch.tensor([12], dtype=torch.int32, device=DEVICE))
     assert plan.all_slots_valid == (pad_every == 0)
     torch_attention.store_kvcache_planned(k, v, caches[0], caches[1], plan)
     ref.store_kvcache_ref(k, v, caches[2], caches[3], slots)

@@ -1,4 +1,5 @@
-"""SiluAndMul, and `cuda_op`: the Triton kernel to use for CUDA tensors, when nanoserve.kernels.ops has it."""
+"""SiluAndMul, and `pick`: the kernel to use for a tensor's device (`cuda_op`: the Triton kernel, when
+nanoserve.kernels.ops has it; `cpu_op`: the C++ one), else the plain-torch reference."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,7 @@ import functools
 import torch
 from torch import nn
 
+from nanoserve.kernels.cpu_ops import cpu_op
 from nanoserve.kernels.reference import silu_and_mul_ref
 
 
@@ -20,7 +22,8 @@ def cuda_op(name: str):
 
 
 def pick(name: str, reference, x: torch.Tensor):
-    kernel = cuda_op(name) if x.is_cuda else None
+    """The kernel for x's device (a Triton kernel on CUDA, a cpu_ops.cpp one on the CPU), else the reference."""
+    kernel = cuda_op(name) if x.is_cuda else cpu_op(name) if x.is_cpu else None
     return kernel or reference
 
 

@@ -3,7 +3,8 @@ AttentionBatch; the backend turns it into its own metadata (`backend.build(batch
 to every layer; a layer stores the step's new K/V into the paged cache by slot, then attends over the cache.
 
 Backends, chosen by name (`make_backend`), one instance per model:
-  "torch"      nanoserve.kernels.torch_attention (the CPU path; host-synchronizing, so never CUDA-graphed)
+  "torch"      nanoserve.kernels.torch_attention (the CPU path, with cpu_ops.cpp's decode kernel; host-synchronizing,
+               so never CUDA-graphed)
   "triton"     nanoserve.kernels.ops (same signatures as the reference)
   "flash_attn" flash_attn_varlen_func / flash_attn_with_kvcache (paged KV needs block_size % 256 == 0)
 Padded rows of CUDA-graph batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or
@@ -18,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.kernels.reference import store_kvcache_ref
-from nanoserve.kernels.torch_attention import (AttentionPlan, AttentionWorkspace, paged_attention_planned,
-                                               plan_paged_attention, store_kvcache_planned)
+from nanoserve.kernels.torch_attention import (AttentionPlan, paged_attention_planned, plan_paged_attention,
+                                               store_kvcache_planned)
 from nanoserve.layers.activation import cuda_op
 
 
@@ -39,24 +40,14 @@ class AttentionBatch:
 
 
 class TorchBackend:
-    """Plans the step's host work (decode row order, copy positions, masks) once for all layers; on the CPU
-    keeps each layer's decode K/V buffers between steps, in a workspace of at most the KV cache's size."""
+    """Plans the step's host work (decode rows, prefill masks) once for all layers."""
     name, capturable = "torch", False
 
-    def __init__(self):
-        self.workspace = AttentionWorkspace()
-        self.block_size, self.dtype = 1, torch.float32
-
     def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
-        """kv [2, layers, blocks, block_size, ...]: buffers gathered from a previous cache are void."""
-        keep = kv is not None and kv.device.type == "cpu"
-        self.workspace = AttentionWorkspace(keep_bytes=kv.numel() * kv.element_size() if keep else 0)
-        if kv is not None:
-            self.block_size, self.dtype = kv.shape[3], kv.dtype
+        pass
 
     def build(self, batch: AttentionBatch) -> AttentionPlan:
-        return plan_paged_attention(batch.slot_mapping, batch.block_tables, batch.query_start_loc, batch.seq_lens,
-                                    self.block_size, self.dtype, self.workspace)
+        return plan_paged_attention(batch.slot_mapping, batch.block_tables, batch.query_start_loc, batch.seq_lens)
 
     def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
         store_kvcache_planned(k, v, k_cache, v_cache, plan)
