@@ -8,8 +8,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
+
+// float32, bfloat16 and float16 (no double: at::vec converts only these to float)
+#define DISPATCH_FLOATS(TYPE, NAME, ...)                                                                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                                  \
+                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 namespace {
 
@@ -26,33 +32,69 @@ inline int64_t grain_rows(int64_t row_numel) { return std::max<int64_t>(1, at::i
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+template <typename T>
+inline Vec load_float(const T* x) {  // kWidth elements as float32
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(x);
+  } else {
+    Vec v;
+    at::vec::load_to_float(x, v);
+    return v;
+  }
+}
+
 // x [n] as float32: x itself, or converted into buf
 template <typename T>
 inline const float* as_float(const T* x, float* buf, int64_t n) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = f32(x[i]);
+    int64_t i = 0;
+    for (; i + kWidth <= n; i += kWidth) load_float(x + i).store(buf + i);
+    for (; i < n; ++i) buf[i] = f32(x[i]);
     return buf;
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   Vec acc0(0.f), acc1(0.f);
   int64_t i = 0;
   for (; i + 2 * kWidth <= n; i += 2 * kWidth) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + i + kWidth), Vec::loadu(b + i + kWidth), acc1);
+    acc0 = at::vec::fmadd(Vec::loadu(a + i), load_float(b + i), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + i + kWidth), load_float(b + i + kWidth), acc1);
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += a[i] * f32(b[i]);
   return sum;
 }
 
-inline void add_scaled(float* acc, float p, const float* v, int64_t n) {  // acc += p * v
+// acc [d] += sum over t < n of p[t] * v[t * stride .. + d], for the few tokens of a piece (for_each_piece): acc is
+// read and written once per piece instead of once per token, and two accumulators keep the multiply-adds apart
+template <typename T>
+inline void add_weighted_rows(float* acc, const float* p, const T* v, int64_t stride, int64_t n, int64_t d) {
+  int64_t c = 0;
+  for (; c + kWidth <= d; c += kWidth) {
+    Vec a0 = Vec::loadu(acc + c), a1(0.f);
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+      a0 = at::vec::fmadd(Vec(p[t]), load_float(v + t * stride + c), a0);
+      a1 = at::vec::fmadd(Vec(p[t + 1]), load_float(v + (t + 1) * stride + c), a1);
+    }
+    if (t < n) a0 = at::vec::fmadd(Vec(p[t]), load_float(v + t * stride + c), a0);
+    (a0 + a1).store(acc + c);
+  }
+  for (; c < d; ++c)
+    for (int64_t t = 0; t < n; ++t) acc[c] += p[t] * f32(v[t * stride + c]);
+}
+
+inline float max_of(const float* s, int64_t n) {
+  Vec top(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
-  for (; i + kWidth <= n; i += kWidth) at::vec::fmadd(Vec(p), Vec::loadu(v + i), Vec::loadu(acc + i)).store(acc + i);
-  for (; i < n; ++i) acc[i] += p * v[i];
+  for (; i + kWidth <= n; i += kWidth) top = at::vec::maximum(top, Vec::loadu(s + i));
+  float result = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top);
+  for (; i < n; ++i) result = std::max(result, s[i]);
+  return result;
 }
 
 inline float exp_and_sum(float* s, int64_t n, float top) {  // s = exp(s - top); returns the sum
@@ -76,22 +118,21 @@ struct PagedCache {
   }
 };
 
-// f(t, K or V [kv_heads, head_dim] of token t) for the ctx tokens of a sequence, block by block. The next
-// block is prefetched: blocks lie anywhere in the cache, and the hardware prefetchers stop at page boundaries.
+// f(t0, n, tokens) over a sequence's ctx tokens, a few at a time: tokens [n, kv_heads, head_dim] are t0..t0+n-1,
+// within one block. Each call first prefetches the same tokens of the next block: blocks lie anywhere in the
+// cache, and the hardware prefetchers stop at page boundaries.
 template <typename T, typename F>
-inline void for_each_token(const T* cache, const PagedCache& layout, int64_t ctx, F f) {
+inline void for_each_piece(const T* cache, const PagedCache& layout, int64_t ctx, F f) {
+  constexpr int64_t kPiece = 2;  // measured: 2 to 4 tokens; 8 lets fp32 rows wait on memory
   const int64_t token_numel = layout.kv_heads * layout.head_dim;
-  const int64_t lines_per_token = std::max<int64_t>(1, token_numel * sizeof(T) / 64);
   for (int64_t i = 0, t0 = 0; t0 < ctx; ++i, t0 += layout.block_size) {
     const T* block = cache + layout.block_offset(i);
-    const int64_t n = std::min(layout.block_size, ctx - t0);
-    const bool has_next = t0 + n < ctx;
-    const char* next = has_next ? reinterpret_cast<const char*>(cache + layout.block_offset(i + 1)) : nullptr;
-    const int64_t next_n = has_next ? std::min(layout.block_size, ctx - t0 - n) : 0;
-    for (int64_t t = 0; t < n; ++t) {
-      if (t < next_n)
-        for (int64_t l = 0; l < lines_per_token; ++l) __builtin_prefetch(next + (t * lines_per_token + l) * 64);
-      f(t0 + t, block + t * token_numel);
+    const int64_t n = std::min(layout.block_size, ctx - t0), next_n = std::min(layout.block_size, ctx - t0 - n);
+    const char* next = reinterpret_cast<const char*>(next_n > 0 ? cache + layout.block_offset(i + 1) : block);
+    for (int64_t t = 0; t < n; t += kPiece) {
+      const int64_t piece = std::min(kPiece, n - t), ahead = std::min(piece, next_n - t) * token_numel * sizeof(T);
+      for (int64_t byte = 0; byte < ahead; byte += 64) __builtin_prefetch(next + t * token_numel * sizeof(T) + byte);
+      f(t0 + t, piece, block + t * token_numel);
     }
   }
 }
@@ -101,28 +142,49 @@ inline void for_each_token(const T* cache, const PagedCache& layout, int64_t ctx
 template <typename T>
 void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                 const PagedCache& cache, int64_t heads, int64_t ctx, float scale, std::vector<float>& work) {
-  const int64_t d = cache.head_dim, group = heads / cache.kv_heads, token_numel = cache.kv_heads * d;
-  work.assign(heads * d + heads * ctx + heads * d + token_numel, 0.f);
-  float *q32 = work.data(), *scores = q32 + heads * d, *acc = scores + heads * ctx, *row = acc + heads * d;
+  const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
+  work.assign(heads * d + heads * ctx + heads * d, 0.f);
+  float *q32 = work.data(), *scores = q32 + heads * d, *acc = scores + heads * ctx;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t i = 0; i < d; ++i) q32[h * d + i] = f32(q[h * q_head_stride + i]) * scale;
-  for_each_token(k_cache, cache, ctx, [&](int64_t t, const T* k_token) {
-    const float* k = as_float(k_token, row, token_numel);
-    for (int64_t j = 0, h = 0; j < cache.kv_heads; ++j)
-      for (int64_t g = 0; g < group; ++g, ++h) scores[h * ctx + t] = dot(q32 + h * d, k + j * d, d);
+  const int64_t token_numel = cache.kv_heads * d;
+  for_each_piece(k_cache, cache, ctx, [&](int64_t t0, int64_t n, const T* k) {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        scores[h * ctx + t0 + t] = dot(q32 + h * d, k + t * token_numel + h / group * d, d);
   });
   std::vector<float> inv_sum(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * ctx;
-    inv_sum[h] = 1.f / exp_and_sum(s, ctx, *std::max_element(s, s + ctx));
+    inv_sum[h] = 1.f / exp_and_sum(s, ctx, max_of(s, ctx));
   }
-  for_each_token(v_cache, cache, ctx, [&](int64_t t, const T* v_token) {
-    const float* v = as_float(v_token, row, token_numel);
-    for (int64_t j = 0, h = 0; j < cache.kv_heads; ++j)
-      for (int64_t g = 0; g < group; ++g, ++h) add_scaled(acc + h * d, scores[h * ctx + t], v + j * d, d);
+  for_each_piece(v_cache, cache, ctx, [&](int64_t t0, int64_t n, const T* v) {
+    for (int64_t h = 0; h < heads; ++h)
+      add_weighted_rows(acc + h * d, scores + h * ctx + t0, v + h / group * d, token_numel, n, d);
   });
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t i = 0; i < d; ++i) out[h * out_head_stride + i] = static_cast<T>(acc[h * d + i] * inv_sum[h]);
+}
+
+// Each decode row in `decodes` (batch indices, longest first), each to the next free thread: the rows' lengths
+// differ by 10x and more.
+template <typename T>
+void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& tables, const int64_t* start, const int64_t* len,
+                 const std::vector<int64_t>& decodes, float scale) {
+  const int64_t n = decodes.size();
+#pragma omp parallel num_threads(at::get_num_threads()) if (n > 1)
+  {
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t b = decodes[i], row = start[b];
+      const PagedCache cache{k_cache.size(1), k_cache.size(2), k_cache.size(3),
+                             tables.data_ptr<int32_t>() + b * tables.size(1)};
+      decode_one<T>(out.data_ptr<T>() + row * out.stride(0), out.stride(1), q.data_ptr<T>() + row * q.stride(0),
+                    q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), cache, q.size(1), len[b], scale, work);
+    }
+  }
 }
 
 // out[query_start_loc[b]] for every sequence b with one query token (the others, prefills, are left alone).
@@ -138,8 +200,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   const auto lens = seq_lens.to(at::kLong).contiguous();
   const int64_t* start = starts.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
-  const int64_t heads = q.size(1), width = tables.size(1), block_size = k_cache.size(1);
-  TORCH_CHECK(starts.numel() == lens.numel() + 1 && tables.size(0) >= lens.numel() && heads % k_cache.size(2) == 0,
+  const int64_t width = tables.size(1), block_size = k_cache.size(1);
+  TORCH_CHECK(starts.numel() == lens.numel() + 1 && tables.size(0) >= lens.numel() &&
+              q.size(1) % k_cache.size(2) == 0,
               "query_start_loc: [batch + 1]; block_tables: [batch, width]; heads: a multiple of kv_heads");
   std::vector<int64_t> decodes;
   for (int64_t b = 0; b < lens.numel(); ++b) {
@@ -147,18 +210,9 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     TORCH_CHECK(len[b] <= width * block_size, "seq_lens[", b, "] is past its block table's ", width, " blocks");
     decodes.push_back(b);
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    at::parallel_for(0, decodes.size(), 1, [&](int64_t first, int64_t last) {
-      std::vector<float> work;
-      for (int64_t i = first; i < last; ++i) {
-        const int64_t b = decodes[i], row = start[b];
-        const PagedCache cache{block_size, k_cache.size(2), k_cache.size(3),
-                               tables.data_ptr<int32_t>() + b * width};
-        decode_one<scalar_t>(out.data_ptr<scalar_t>() + row * out.stride(0), out.stride(1),
-                             q.data_ptr<scalar_t>() + row * q.stride(0), q.stride(1), k_cache.data_ptr<scalar_t>(),
-                             v_cache.data_ptr<scalar_t>(), cache, heads, len[b], static_cast<float>(scale), work);
-      }
-    });
+  std::sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_rows<scalar_t>(out, q, k_cache, v_cache, tables, start, len, decodes, static_cast<float>(scale));
   });
 }
 
@@ -172,7 +226,8 @@ void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t n,
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < n; ++i) squares += f32(xr[i]) * f32(xr[i]);
       const float inv_rms = 1.f / std::sqrt(squares / n + eps);
-      for (int64_t i = 0; i < n; ++i) out[r * n + i] = static_cast<T>(round_to<T>(f32(xr[i]) * inv_rms) * f32(weight[i]));
+      for (int64_t i = 0; i < n; ++i)
+        out[r * n + i] = static_cast<T>(round_to<T>(f32(xr[i]) * inv_rms) * f32(weight[i]));
     }
   });
 }
@@ -186,7 +241,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps
   const auto x = x_in.contiguous();
   check_norm_args(x, weight);
   auto out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+  DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
     rms_norm_rows(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
                   x.size(1), static_cast<float>(eps));
   });
@@ -201,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_in, co
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual: x's shape and dtype");
   auto summed = at::empty_like(x), out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+  DISPATCH_FLOATS(x.scalar_type(), "fused_add_rms_norm", [&] {
     const scalar_t *a = x.data_ptr<scalar_t>(), *b = residual.data_ptr<scalar_t>();
     scalar_t* s = summed.data_ptr<scalar_t>();
     at::parallel_for(0, x.numel(), at::internal::GRAIN_SIZE, [&](int64_t first, int64_t last) {
@@ -242,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
               "cos, sin: [tokens, head_dim / 2]");
   const auto cos32 = cos.to(at::kFloat).contiguous(), sin32 = sin.to(at::kFloat).contiguous();
   auto q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+  DISPATCH_FLOATS(q.scalar_type(), "rotary", [&] {
     rotate_rows(q_out.data_ptr<scalar_t>(), q, cos32.data_ptr<float>(), sin32.data_ptr<float>());
     rotate_rows(k_out.data_ptr<scalar_t>(), k, cos32.data_ptr<float>(), sin32.data_ptr<float>());
   });
@@ -257,7 +312,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   auto out_shape = x_in.sizes().vec();
   out_shape.back() = n;
   auto out = at::empty(out_shape, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_FLOATS(x.scalar_type(), "silu_and_mul", [&] {
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t first, int64_t last) {
       std::vector<float> buf(3 * n);
       for (int64_t r = first; r < last; ++r) {
