@@ -1,11 +1,9 @@
-"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"): one row per running
-sequence, in the scheduler's order, kept up to date from each SchedulerOutput's diffs. A row's token ids, KV slots
-and sampling parameters sit in a slot it keeps while it runs (`slots[row]`), so a leaving row moves one entry and a
-step's token ids and KV slots are one `take` each from the flat tables (index slot * width + position)."""
+"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"), kept up to date from
+each SchedulerOutput's diffs. A step's token ids and KV slots are one `take` each from the flat tables (index
+slot * width + position)."""
 from __future__ import annotations
 
 import math
-from collections import Counter
 from itertools import chain
 from dataclasses import dataclass
 
@@ -74,8 +72,7 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
         self._flat_token_ids = self.token_ids.ravel()
         # the KV cache slot of every position a row's blocks cover (block_id * block_size + offset)
-        self.kv_slots = np.zeros((max_num_seqs, width), dtype=np.int32)
-        self._flat_kv_slots = self.kv_slots.ravel()
+        self._flat_kv_slots = np.zeros(max_num_seqs * width, dtype=np.int32)
         self._row_start = np.arange(max_num_seqs, dtype=np.int64) * width  # per slot: its flat index 0
         self._block_offsets = np.arange(block_size, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -93,8 +90,6 @@ class InputBatch:
         self.lora_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # the device slot of the row's LoRA adapter
         self.num_lora_rows = 0
         self.num_rows_using = dict.fromkeys(FEATURES, 0)
-        # how many rows hold each value of a column: one value for the whole batch is passed as a number
-        self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -136,15 +131,10 @@ class InputBatch:
         return slot
 
     def _count(self, slot: int, delta: int) -> None:
-        """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature and value."""
+        """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature."""
         self.num_lora_rows += delta * int(self.lora_slot[slot] >= 0)
         for name in _features(self.params[slot]):
             self.num_rows_using[name] += delta
-        for name, counter in self.values.items():
-            value = getattr(self, name)[slot].item()
-            counter[value] += delta
-            if not counter[value]:
-                del counter[value]
 
     def _append_blocks(self, slots: np.ndarray, block_ids: list[list[int]]) -> None:
         """Append block_ids[i] to the table of slots[i] (distinct slots), with the KV slots of the positions they
@@ -271,10 +261,11 @@ class InputBatch:
             meta.seeds, meta.seed_steps = seeded, [num_output[row] for row, _ in seeded]
 
     def _column(self, name: str, slots: np.ndarray, device) -> float | int | torch.Tensor:
-        """A sampling parameter of the rows in slots: a number when the whole batch agrees, else [N, 1]."""
-        if len(self.values[name]) == 1:
-            return next(iter(self.values[name]))
-        return _tensor(getattr(self, name)[slots][:, None], device)
+        """A sampling parameter of the rows in slots: a number when they all agree, else [N, 1]."""
+        values = getattr(self, name)[slots]
+        if (values == values[0]).all():
+            return values[0].item()
+        return _tensor(values[:, None], device)
 
     def _penalties(self, slots: np.ndarray, device) -> Penalties | None:
         values = self.penalties[slots]
