@@ -1,10 +1,6 @@
-"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"): no prefill or
-decode phase; each step gives the running sequences, oldest first, the tokens they lack within the token budget,
-then admits waiting ones FIFO with what is left. When KV blocks run out, the newest running sequence is preempted
-by recompute. The running sequences are the batch's rows and their numbers columns of one array, so a step decides
-with numpy; only rows that need a block, and admissions, cost Python. A request's later samples (n > 1) wait until
-its first has computed the prompt, then share its full prompt blocks. With LoRA, a waiting sequence is admitted
-only while its adapter holds or can take a device slot (engine/lora.py); else it is passed over, keeping its place."""
+"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"). A request's
+later samples (n > 1) wait until its first has computed the prompt, then share its full prompt blocks. With LoRA, a
+waiting sequence is admitted only while its adapter holds or can take a device slot; else it is passed over."""
 from __future__ import annotations
 
 from collections import deque
@@ -93,13 +89,19 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch."""
+        self._leave(seq)
+        self._finished_ids.append(seq.request_id)
+        self._release(seq, reason)
+
+    def _leave(self, seq: Sequence) -> None:
+        """A running sequence's row leaves (the rows after it move up), with its adapter's slot and its blocks."""
         row, last = self.running.index(seq), len(self.running) - 1
         del self.running[row]
         self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
         self.columns[:, last] = 0
-        self._finished_ids.append(seq.request_id)
-        self._release_lora_slot(seq)
-        self._release(seq, reason)
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora)
+        self.block_manager.free(seq)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
@@ -157,10 +159,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
-        self.running.pop()  # always the newest
-        self.columns[:, len(self.running)] = 0
-        self._release_lora_slot(seq)
-        self.block_manager.free(seq)
+        self._leave(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)
@@ -198,10 +197,6 @@ class Scheduler:
         if load:
             out.lora_loads.append((slot, seq.lora))
         return slot
-
-    def _release_lora_slot(self, seq: Sequence) -> None:
-        if seq.lora is not None:
-            self.lora_slots.release(seq.lora)
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """Take the computed prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
