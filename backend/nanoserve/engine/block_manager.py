@@ -6,20 +6,11 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 
-import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
 
 NO_HASH = -1
-
-
-def block_offset(positions: np.ndarray, block_size: int) -> np.ndarray:
-    """positions % block_size, by a mask when block_size is a power of two (the usual case): numpy's integer
-    division is several times slower."""
-    if block_size & (block_size - 1):
-        return positions % block_size
-    return positions & (block_size - 1)
 
 
 def first_prev_hash(seq: Sequence) -> int:

@@ -152,10 +152,7 @@ def earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
 
 def token_bytes(table: list[bytes], token_ids: Sequence[int]) -> bytes:
     """The tokens' bytes; ids past the tokenizer's vocab (padded embedding rows) are dropped, as decode() does."""
-    try:
-        return b"".join([table[i] for i in token_ids])
-    except IndexError:
-        return b"".join([table[i] for i in token_ids if i < len(table)])
+    return b"".join([table[i] for i in token_ids if i < len(table)])
 
 
 def _decode_fn(tokenizer, skip_special_tokens: bool):

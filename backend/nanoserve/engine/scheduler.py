@@ -9,7 +9,7 @@ from itertools import compress
 
 import numpy as np
 
-from nanoserve.engine.block_manager import BlockManager, block_offset
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -241,7 +241,7 @@ class Scheduler:
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
-            filled = block_offset(computed, self.block_size) < counts  # the rows that filled a block
+            filled = computed % self.block_size < counts  # the rows that filled a block
             for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
                 self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
