@@ -168,31 +168,22 @@ class InputBatch:
         if np.count_nonzero(counts) < len(counts):  # rows the budget left out are not in the step
             rows = counts.nonzero()[0]
             counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
-        num_rows = len(counts)
-        if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
-            query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
-            logits_indices = np.arange(num_rows)  # each row's one token (int64)
-            positions, token_slots, max_query_len = computed, slots, min(num_rows, 1)
-        else:
-            query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
-            query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
-            assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
-            positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
-            token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
-            logits_indices = ends - 1
+        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
+        query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
+        positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
+        token_slots = np.repeat(slots, counts)
         token_index = self._row_start[token_slots] + positions
         seq_lens = computed + counts
         max_seq_len = int(np.maximum.reduce(seq_lens, initial=0))
-        self.sampling_slots, self.sampling_lengths = slots, seq_lens
-        if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
-            self.sampling_slots, self.sampling_lengths, logits_indices = slots[samples], seq_lens[samples], \
-                logits_indices[samples]
+        # a prompt chunk short of its end samples nothing
+        self.sampling_slots, self.sampling_lengths = slots[samples], seq_lens[samples]
+        logits_indices = (ends - 1)[samples]
         self._next_token_index = token_index[logits_indices] + 1
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
                           seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          logits_indices, max_query_len, max_seq_len,
+                          logits_indices, int(np.maximum.reduce(counts, initial=0)), max_seq_len,
                           self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None,
                           self.lora_slot.take(token_slots) if self.num_lora_rows else None)
 

@@ -120,9 +120,7 @@ class Scheduler:
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
         out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
         out.num_batched_tokens = num_batched
-        in_prompt = num_prompt > computed
-        if np.count_nonzero(in_prompt):
-            out.num_prefill_tokens = int(np.add.reduce(np.minimum(num_prompt - computed, counts)[in_prompt]))
+        out.num_prefill_tokens = int(np.add.reduce(np.clip(num_prompt - computed, 0, counts)))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
@@ -237,7 +235,7 @@ class Scheduler:
         computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
         num_tokens += samples
-        seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
+        seqs = list(compress(running, samples))
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
@@ -246,9 +244,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
         self._new_token_ids = sampled_token_ids
-        if len(seqs) < len(running):
-            num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
-        return SampledSeqs(seqs, num_tokens, max_num_tokens)
+        return SampledSeqs(seqs, num_tokens[samples], max_num_tokens[samples])
 
     def preempt_all(self) -> None:
         """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order, and
