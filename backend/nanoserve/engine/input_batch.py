@@ -17,8 +17,6 @@ from nanoserve.sampling_params import SamplingParams
 
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
-# sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
-FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass
@@ -47,14 +45,14 @@ class StepInputs:
     lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
 
 
-def _features(params: SamplingParams) -> list[str]:
-    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
+def _features(params: SamplingParams) -> dict[str, bool]:
+    """The sampling features a row uses: each costs work only while some row uses it."""
+    return {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
             "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
             "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
             "prompt_logprobs": params.prompt_logprobs is not None,
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
-    return [name for name in FEATURES if used[name]]
 
 
 class InputBatch:
@@ -89,7 +87,7 @@ class InputBatch:
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none wanted, or had already
         self.lora_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # the device slot of the row's LoRA adapter
         self.num_lora_rows = 0
-        self.num_rows_using = dict.fromkeys(FEATURES, 0)
+        self.num_rows_using = dict.fromkeys(_features(SamplingParams()), 0)
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -133,8 +131,8 @@ class InputBatch:
     def _count(self, slot: int, delta: int) -> None:
         """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature."""
         self.num_lora_rows += delta * int(self.lora_slot[slot] >= 0)
-        for name in _features(self.params[slot]):
-            self.num_rows_using[name] += delta
+        for name, used in _features(self.params[slot]).items():
+            self.num_rows_using[name] += delta * used
 
     def _append_blocks(self, slots: np.ndarray, block_ids: list[list[int]]) -> None:
         """Append block_ids[i] to the table of slots[i] (distinct slots), with the KV slots of the positions they

@@ -15,7 +15,6 @@ from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-_NO_SAMPLES = np.zeros(0, dtype=bool)
 
 
 @dataclass
@@ -110,7 +109,7 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [], _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
+        out = SchedulerOutput(self._new_token_ids, self._finished_ids)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
         counts, num_batched = self._schedule_running(out)
         if self.waiting and not out.preempted_ids:
