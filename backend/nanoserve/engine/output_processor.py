@@ -1,8 +1,5 @@
 """Outputs in one place (docs/architecture.md, "Output processor"): per sequence its detokenizer, the stop rule
-(EOS, stop_token_ids, stop strings, grammars, the length limit) and the RequestOutputs a step produces. A streamed
-sequence gets an output every step it samples, any other one when it finishes; rows that need no Python this step
-cost a few numpy calls. A request with n > 1 is n sequences whose outputs carry the sample's index; `finished`
-is set on the output of the last one to finish."""
+and the RequestOutputs a step produces: every step it samples when streamed, else when it finishes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -178,17 +175,17 @@ class OutputProcessor:
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
             reason, done = None, False
-            grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
-            if may_stop or grammar_ends or detokenizer.stop_matched is not None:
-                reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
-                    self._finish_reason(state, token_id)
-                if reason is not None:
-                    finished.append((seq, reason))
-                    done = self._forget(state)
-                    if not state.stream:
-                        outputs.append(self._final_output(state, reason, done))
-                        continue
-                    delta += detokenizer.flush()
+            if (seq.grammar is not None and seq.grammar.advance(token_id)) or detokenizer.stop_matched is not None:
+                reason = "stop"
+            elif may_stop:
+                reason = self._finish_reason(state, token_id)
+            if reason is not None:
+                finished.append((seq, reason))
+                done = self._forget(state)
+                if not state.stream:
+                    outputs.append(self._final_output(state, reason, done))
+                    continue
+                delta += detokenizer.flush()
             if state.stream:
                 num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
                 outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason,
