@@ -206,11 +206,8 @@ class InputBatch:
         """The sampling parameters of the step's sampling rows, in order; bitmask: the tokens allowed to the rows
         with structured outputs (built by the engine, whose matchers follow the grammars)."""
         slots, uses = self.sampling_slots, self.num_rows_using
-        greedy = None  # per row, when the batch mixes greedy and sampled rows
-        if 0 < uses["greedy"] < len(self):
-            greedy = self.temperature[slots] < GREEDY_TEMPERATURE
-        all_greedy = not len(slots) or uses["greedy"] == len(self) or (greedy is not None and bool(greedy.all()))
-        meta = SamplingMetadata(num_rows=len(slots), all_greedy=all_greedy)
+        greedy = self.temperature[slots] < GREEDY_TEMPERATURE if uses["greedy"] else np.zeros(len(slots), bool)
+        meta = SamplingMetadata(num_rows=len(slots), all_greedy=bool(greedy.all()))
         if not meta.all_greedy:
             self._set_sampling(meta, slots, greedy, device)
         if uses["penalties"]:
@@ -225,12 +222,11 @@ class InputBatch:
             meta.token_bitmask = (_tensor(bitmask.bitmask.numpy(), device), bitmask.rows)
         return meta
 
-    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
-        if greedy is not None and greedy.any():
+    def _set_sampling(self, meta: SamplingMetadata, slots, greedy: np.ndarray, device) -> None:
+        if greedy.any():  # a batch that mixes greedy and sampled rows
             meta.greedy = _tensor(greedy, device)
             meta.temperatures = _tensor(np.where(greedy, np.float32(1.0), self.temperature[slots])[:, None], device)
         else:
-            greedy = np.zeros(len(slots), dtype=bool)
             meta.temperatures = self._column("temperature", slots, device)
         uses = self.num_rows_using
         if uses["top_k"]:
