@@ -69,7 +69,6 @@ class OutputProcessor:
         self.samples: dict[str, list[str]] = {}  # the sequence ids of the requests with n > 1, by request id
         self.watched: set[str] = set()  # the sequences looked at every step
         self.constrained: set[str] = set()  # the sequences with structured outputs (a grammar)
-        self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -111,7 +110,6 @@ class OutputProcessor:
             state = self.requests.get(sequence_id)
             if state is None:
                 continue
-            self._rows = [], []
             done, seq = self._forget(state), state.seq
             if not state.stream:
                 outputs.append(self._final_output(state, "abort", done))
@@ -160,13 +158,12 @@ class OutputProcessor:
                 looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
             if not looked_at.any():
                 return []
-        states = self._states(seqs)
-        rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
+        rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
         if looked_at is not None:
             rows = compress(rows, looked_at.tolist())
         finished = []
-        for state, token_id, logprob, may_stop, row in rows:
-            seq = state.seq
+        for seq, token_id, logprob, may_stop, row in rows:
+            state = self.requests[seq.request_id]
             new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprob
@@ -192,17 +189,7 @@ class OutputProcessor:
                                              seq.num_prompt_tokens, num_output_tokens, state.cumulative_logprob,
                                              new_logprobs, seq.num_cached_tokens, new_ranks, state.index,
                                              state.prompt_logprobs if num_output_tokens == 1 else None))
-        if finished:
-            self._rows = [], []  # a finished request's state is not kept alive
         return finished
-
-    def _states(self, seqs: list[Sequence]) -> list[RequestState]:
-        """The states of a step's sequences, in row order; kept until one of them finishes, as the next steps mostly
-        have the same rows (a sequence's state is the same object while it runs)."""
-        if seqs != self._rows[0]:
-            requests = self.requests
-            self._rows = seqs, [requests[seq.request_id] for seq in seqs]
-        return self._rows[1]
 
     @staticmethod
     def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> tuple[list[dict], list[int]]:
