@@ -44,9 +44,7 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text released so far (after flush(): the final text)."""
-        if len(self._parts) > 1:
-            self._parts = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        return "".join(self._parts)
 
     @property
     def finished(self) -> bool:
