@@ -81,8 +81,8 @@ class Scheduler:
                 return seq
         for seq in self.waiting:
             if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._release(seq, "abort")
+                self.waiting.remove(seq)  # a waiting sequence holds no blocks
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
                 return seq
         return None
 
@@ -90,7 +90,7 @@ class Scheduler:
         """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch."""
         self._leave(seq)
         self._finished_ids.append(seq.request_id)
-        self._release(seq, reason)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def _leave(self, seq: Sequence) -> None:
         """A running sequence's row leaves (the rows after it move up), with its adapter's slot and its blocks."""
@@ -101,11 +101,6 @@ class Scheduler:
         if seq.lora is not None:
             self.lora_slots.release(seq.lora)
         self.block_manager.free(seq)
-
-    def _release(self, seq: Sequence, reason: str) -> None:
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
