@@ -1,11 +1,5 @@
-"""CUDA graphs for decode steps (one query token per sequence; docs/architecture.md, "CUDA graphs").
-
-One graph per batch bucket, captured largest first into one shared memory pool (graphs never replay concurrently).
-Each capture follows an eager warm-up at the same shape, so every Triton specialization the capture launches is
-compiled before it. A replay copies the step's tensors into the first `batch` rows of static buffers and replays
-the smallest bucket >= batch; padded rows hold slot -1 (nothing stored) and seq_len 0 (no K/V read, zeros out).
-Only the model forward is captured, and it must not synchronize with the host (tests/test_cuda_graph.py checks).
-"""
+"""CUDA graphs for decode steps (one query token per sequence; docs/architecture.md, "CUDA graphs"). A replay
+copies the step's tensors into the first rows of static buffers and replays the smallest bucket that holds them."""
 from __future__ import annotations
 
 import bisect
@@ -91,19 +85,15 @@ class CUDAGraphRunner:
         if batch.seq_lens.shape[0] != num_rows:
             raise ValueError(f"a graphed decode step needs one token per sequence: {num_rows} tokens for "
                              f"{batch.seq_lens.shape[0]} sequences")
-        self._load_inputs(input_ids, positions, batch)
+        self.input_ids[:num_rows].copy_(input_ids, non_blocking=True)
+        self.positions[:num_rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_rows].copy_(batch.slot_mapping, non_blocking=True)
+        self.seq_lens[:num_rows].copy_(batch.seq_lens, non_blocking=True)
+        # columns past the step's table keep stale block ids: a row reads only its first ceil(seq_len / block)
+        self.block_tables[:num_rows, :batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+        if self._used_rows > num_rows:  # rows of an earlier, bigger batch become padding again
+            self.slot_mapping[num_rows:self._used_rows].fill_(PAD_SLOT)
+            self.seq_lens[num_rows:self._used_rows].fill_(PAD_SEQ_LEN)
+        self._used_rows = num_rows
         self.graphs[pick_bucket(self.buckets, num_rows)].replay()
         return self.outputs[:num_rows]
-
-    def _load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> None:
-        rows, width = input_ids.shape[0], batch.block_tables.shape[1]
-        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
-        self.positions[:rows].copy_(positions, non_blocking=True)
-        self.slot_mapping[:rows].copy_(batch.slot_mapping, non_blocking=True)
-        self.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=True)
-        # columns past `width` keep stale block ids: a row reads only its first ceil(seq_len / block) entries
-        self.block_tables[:rows, :width].copy_(batch.block_tables, non_blocking=True)
-        if self._used_rows > rows:  # rows of an earlier, bigger batch become padding again
-            self.slot_mapping[rows:self._used_rows].fill_(PAD_SLOT)
-            self.seq_lens[rows:self._used_rows].fill_(PAD_SEQ_LEN)
-        self._used_rows = rows

@@ -1,7 +1,5 @@
-"""The executor owns the model runners: rank 0's in this process and, under tensor parallelism, ranks 1.. in
-spawned workers, each sent every call pickled through its own pipe (only the step's diffs travel; workers never
-answer: rank 0 samples). A worker exits on ("exit", ()) or when rank 0's end of the pipe closes, so no process
-outlives the engine (the Triton stub must be able to exit)."""
+"""The executor owns the model runners (docs/architecture.md, "Executor and model runner"). A worker exits on
+("exit", ()) or when rank 0's end of its pipe closes, so no process outlives the engine."""
 from __future__ import annotations
 
 import multiprocessing as mp

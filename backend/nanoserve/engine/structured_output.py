@@ -1,8 +1,5 @@
-"""Structured outputs with xgrammar: a request's JSON schema, regex, choice or grammar is compiled once for the
-model's vocabulary (cached; on any thread, so the serving path compiles on the request's own thread), each sequence
-walks it with a matcher that lives on its Sequence, and before every sampling step the matchers fill a token
-bitmask that the sampler applies to the logits. A preempted sequence keeps its tokens, so its matcher never goes
-back."""
+"""Structured outputs with xgrammar (docs/architecture.md, "Where features attach"): grammars compiled for the
+model's vocabulary, a matcher per sequence, and the token bitmask of each step's constrained rows."""
 from __future__ import annotations
 
 import json
@@ -60,27 +57,24 @@ class StructuredOutputManager:
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of a request; ValueError naming structured_outputs when it does not compile."""
+        any_whitespace = not spec.disable_any_whitespace
         try:
-            return self._compile(spec)
+            if spec.json is not None:
+                return self.compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=any_whitespace)
+            if spec.json_object:  # any object: strict_mode off, or {"type": "object"} would allow only {}
+                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                         strict_mode=False)
+            if spec.regex is not None:
+                return self.compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return self.compiler.compile_grammar(choice_grammar(spec.choice))
+            if "::=" in spec.grammar:  # EBNF (GBNF), as llama.cpp and vLLM write it
+                return self.compiler.compile_grammar(spec.grammar)
+            return self.compiler.compile_lark(spec.grammar)
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
             message = _LOG_PREFIX.sub("", str(e).strip())[:MAX_ERROR_CHARS]
             kind = "json schema" if spec.kind == "json" else spec.kind
             raise ValueError(f"structured_outputs: invalid {kind}: {message}") from None
-
-    def _compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        any_whitespace = not spec.disable_any_whitespace
-        if spec.json is not None:
-            return self.compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=any_whitespace)
-        if spec.json_object:  # any object: strict_mode off, or {"type": "object"} would allow only {}
-            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
-                                                     strict_mode=False)
-        if spec.regex is not None:
-            return self.compiler.compile_regex(spec.regex)
-        if spec.choice is not None:
-            return self.compiler.compile_grammar(choice_grammar(spec.choice))
-        if "::=" in spec.grammar:  # EBNF (GBNF), as llama.cpp and vLLM write it
-            return self.compiler.compile_grammar(spec.grammar)
-        return self.compiler.compile_lark(spec.grammar)
 
     def bitmask(self, grammars: list[Grammar | None]) -> TokenBitmask | None:
         """The bitmask of a step whose sampling rows follow these grammars (None: that row is free)."""

@@ -12,7 +12,6 @@ import json
 import math
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -30,12 +29,6 @@ _KEY_PREFIX = "base_model.model."
 # adapter_config.json settings that change what the weights mean, and the value this engine supports
 _SUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
               "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {}}
-
-
-@dataclass
-class PeftAdapter:
-    scaling: float
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module name -> (A [r, in], B [out, r])
 
 
 def read_adapter_config(path: str) -> dict:
@@ -81,12 +74,13 @@ def check_peft_adapter(path: str, model_dir: str, max_rank: int) -> None:
                              f"(r={config['r']}, the base weight's [{out_size}, {in_size}])")
 
 
-def read_peft_adapter(path: str) -> PeftAdapter:
+def read_peft_adapter(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Checkpoint module name -> (A [r, in], B [out, r] in float32, the scaling folded in)."""
     config = read_adapter_config(path)
     pairs = _by_module(load_file(_weights_file(path), device="cpu"))
     alpha, rank = config.get("lora_alpha", config["r"]), config["r"]
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return PeftAdapter(scaling, {module: (pair["lora_A"], pair["lora_B"]) for module, pair in pairs.items()})
+    return {module: (pair["lora_A"], pair["lora_B"].float() * scaling) for module, pair in pairs.items()}
 
 
 def _weights_file(path: str) -> str:
@@ -127,17 +121,16 @@ class LoRAStore:
         for module in self.layers.values():
             module.lora = StackedLoRA(module, num_slots, max_rank)
         self.max_cpu_loras = max_cpu_loras
-        self.cpu: OrderedDict[int, PeftAdapter] = OrderedDict()  # adapter id -> weights, least recently used first
+        self.cpu: OrderedDict[int, dict] = OrderedDict()  # adapter id -> its weights, least recently used first
 
     def load(self, slot: int, adapter_id: int, path: str) -> None:
-        adapter = self._read(adapter_id, path)
         for module in self.layers.values():
             module.lora.clear(slot)
-        for name, (lora_a, lora_b) in adapter.weights.items():
+        for name, (lora_a, lora_b) in self._read(adapter_id, path).items():
             layer, shard_id = map_name(name + ".weight", self.packed)
-            self.layers[layer.rpartition(".")[0]].lora.load(slot, shard_id, lora_a, lora_b.float() * adapter.scaling)
+            self.layers[layer.rpartition(".")[0]].lora.load(slot, shard_id, lora_a, lora_b)
 
-    def _read(self, adapter_id: int, path: str) -> PeftAdapter:
+    def _read(self, adapter_id: int, path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         if adapter_id in self.cpu:
             self.cpu.move_to_end(adapter_id)
             return self.cpu[adapter_id]
