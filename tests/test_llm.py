@@ -183,6 +183,32 @@ def test_abort_all_recovers_from_a_step_that_failed_half_way(qwen3_dir, make_llm
     assert [out.token_ids for out in outputs] == [hf_greedy(qwen3_dir, p, GREEDY.max_tokens) for p in prompts]
 
 
+def test_streamed_prompt_logprobs_survive_a_step_that_failed_after_the_first_token(qwen3_dir, make_llm):
+    """The step that sampled the first token fails in the output processor, after the prompt logprobs were
+    filled in and before the output was made: after fail_and_recover the stream still gets them, once, equal to
+    an undisturbed run's."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2)
+    prompt = random_prompts([7], seed=5)[0]
+    engine = make_llm(qwen3_dir, kvcache_block_size=BLOCK).engine
+    expected = run_engine(engine, [("calm", prompt, params, True)])["calm"][0].prompt_logprobs
+    engine.add_request("hit", prompt, params, stream=True)
+    detokenizer = engine.output_processor.requests["hit"].detokenizer
+    add_token = detokenizer.add_token
+
+    def fails_once(token_id):
+        detokenizer.add_token = add_token
+        raise RuntimeError("the detokenizer failed")
+    detokenizer.add_token = fails_once
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        engine.step()
+    assert engine.fail_and_recover([]) == []
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    sent = [out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None]
+    assert expected is not None and sent == [expected]
+
+
 def run_engine(engine, requests) -> dict[str, list]:
     """requests: (request_id, prompt, params, stream); steps until all finish -> outputs per request."""
     for request_id, prompt, params, stream in requests:

@@ -184,11 +184,12 @@ class OutputProcessor:
                     continue
                 delta += detokenizer.flush()
             if state.stream:
-                num_output_tokens = len(seq.token_ids) - seq.num_prompt_tokens
+                # the prompt logprobs go once, with the first output made (after a failed step, not the first token's)
+                prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
                 outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason,
-                                             seq.num_prompt_tokens, num_output_tokens, state.cumulative_logprob,
-                                             new_logprobs, seq.num_cached_tokens, new_ranks, state.index,
-                                             state.prompt_logprobs if num_output_tokens == 1 else None))
+                                             seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
+                                             state.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
+                                             new_ranks, state.index, prompt_logprobs))
         return finished
 
     @staticmethod
