@@ -66,7 +66,6 @@ def test_model_interface_matches_hf_full_sequence(tiny_models):
     kv = torch.zeros(2, len(layers), 2, 8, config.num_key_value_heads, config.head_dim)  # 2 blocks of 8 slots
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-        layer.backend.bind_kv_cache(kv)
     batch = AttentionBatch(slot_mapping=torch.arange(10), query_start_loc=torch.tensor([0, 10], dtype=torch.int32),
                            seq_lens=torch.tensor([10], dtype=torch.int32),
                            block_tables=torch.tensor([[0, 1]], dtype=torch.int32), max_query_len=10, max_seq_len=10)

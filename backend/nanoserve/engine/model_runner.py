@@ -122,7 +122,6 @@ class ModelRunner:
     def _bind_kv_cache(self, kv: torch.Tensor | None) -> None:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = (kv[0, i], kv[1, i]) if kv is not None else (torch.empty(0),) * 2
-        self.backend.bind_kv_cache(kv)
         self.kv_cache = kv
 
     def _blocks_from_gpu_memory(self, block_bytes: int) -> int:

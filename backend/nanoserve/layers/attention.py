@@ -43,9 +43,6 @@ class TorchBackend:
     """Plans the step's host work (decode rows, prefill masks) once for all layers."""
     name, capturable = "torch", False
 
-    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
-        pass
-
     def build(self, batch: AttentionBatch) -> AttentionPlan:
         return plan_paged_attention(batch.slot_mapping, batch.block_tables, batch.query_start_loc, batch.seq_lens)
 
@@ -64,9 +61,6 @@ class TritonBackend:
             raise RuntimeError(f"attention_backend='triton' needs nanoserve.kernels.ops ({e}); "
                                "use attention_backend='torch'") from e
         self.ops = ops
-
-    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
-        pass
 
     def build(self, batch: AttentionBatch) -> AttentionBatch:
         return batch
@@ -97,9 +91,6 @@ class FlashAttnBackend:
         self.varlen, self.with_kvcache = flash_attn_varlen_func, flash_attn_with_kvcache
         self.store = cuda_op("store_kvcache") or store_kvcache_ref
         self.capturable = self.store is not store_kvcache_ref  # the reference store synchronizes with the host
-
-    def bind_kv_cache(self, kv: torch.Tensor | None) -> None:
-        pass  # EngineConfig checks that blocks hold a multiple of 256 tokens, as flash-attn's paged KV needs
 
     def build(self, batch: AttentionBatch) -> FlashAttnMetadata:
         cu_seqlens_k = None if batch.is_decode_only else F.pad(batch.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))

@@ -57,11 +57,6 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
 
 
-def packed_rows(rows: int) -> int:
-    """The smallest PACKED_ROWS entry that holds `rows` (rows <= PACKED_ROWS[-1])."""
-    return next(bucket for bucket in PACKED_ROWS if bucket >= rows)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the packed weight where there is one (x [T, in])."""
@@ -70,7 +65,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if x.shape[0] > PACKED_ROWS[-1]:
         return torch.cat([linear(piece, weight, bias, packed) for piece in x.split(PACKED_ROWS[-1])])
     rows = x.shape[0]
-    padding = packed_rows(rows) - rows
+    padding = next(bucket for bucket in PACKED_ROWS if bucket >= rows) - rows
     return onednn_linear(F.pad(x, (0, 0, 0, padding)) if padding else x, packed, bias)[:rows]
 
 
@@ -107,11 +102,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # shard_id -> (first row of this rank's output it fills, rows, rows of the checkpoint tensor, the first of
+        # them this rank takes); the output of a row-parallel layer is not sharded
+        self.shards: dict = {None: (0, output_size, output_size, 0)}
         self.lora: nn.Module | None = None  # StackedLoRA (layers/lora.py), when the engine serves LoRA adapters
         self.packed_weight: torch.Tensor | None = None  # set by pack_cpu_weights
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        raise NotImplementedError
+        """Copy this rank's rows of the checkpoint tensor of shard_id (a weight or a bias)."""
+        if shard_id not in self.shards:
+            raise ValueError(f"{type(self).__name__} needs a shard_id in {tuple(self.shards)}, got {shard_id!r}")
+        offset, size, full, start = self.shards[shard_id]
+        copy_checked(param.data.narrow(0, offset, size), take_shard(loaded, 0, full, start, size))
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """lora: the step's LoRABatch (layers/lora.py), None when no token has an adapter."""
@@ -126,10 +128,8 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, get_tp_size()), bias)
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        size = param.shape[0]
-        copy_checked(param.data, take_shard(loaded, 0, size * self.tp_size, self.tp_rank * size, size))
+        size = self.weight.shape[0]
+        self.shards = {None: (0, size, output_size, self.tp_rank * size)}
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -137,17 +137,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     sub-projection. Each rank holds its slice of every sub-projection, concatenated."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
-        self.shard_ids = tuple(range(len(output_sizes)))
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        if shard_id is None:
-            raise ValueError(f"{type(self).__name__} needs a shard_id in {self.shard_ids}")
-        size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        shard = take_shard(loaded, 0, self.output_sizes[shard_id], self.tp_rank * size, size)
-        copy_checked(param.data.narrow(0, offset, size), shard)
+        sizes = [full // self.tp_size for full in output_sizes]
+        self.shards = {i: (sum(sizes[:i]), size, full, self.tp_rank * size)
+                       for i, (size, full) in enumerate(zip(sizes, output_sizes))}
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -156,33 +149,20 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp_size, tp_rank = get_tp_size(), get_tp_rank()
-        self.head_dim = head_dim
-        self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp_size)
         if num_kv_heads >= tp_size:
             self.num_kv_heads = divide(num_kv_heads, tp_size)
-            self.kv_head_start = tp_rank * self.num_kv_heads
+            kv_head_start = tp_rank * self.num_kv_heads
         else:
             divide(tp_size, num_kv_heads)
             self.num_kv_heads = 1
-            self.kv_head_start = tp_rank * num_kv_heads // tp_size
-        self.q_size = self.num_heads * head_dim
-        self.kv_size = self.num_kv_heads * head_dim
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, out, bias)
-        self.shard_ids = ("q", "k", "v")
-
-    def weight_loader(self, param, loaded, shard_id=None):
-        if shard_id == "q":
-            dst_offset, size, src_start = 0, self.q_size, self.tp_rank * self.q_size
-            full = self.total_num_heads * self.head_dim
-        elif shard_id in ("k", "v"):
-            dst_offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, src_start = self.kv_size, self.kv_head_start * self.head_dim
-            full = self.total_num_kv_heads * self.head_dim
-        else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        copy_checked(param.data.narrow(0, dst_offset, size), take_shard(loaded, 0, full, src_start, size))
+            kv_head_start = tp_rank * num_kv_heads // tp_size
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp_size, bias)
+        full_q, full_kv, kv_start = num_heads * head_dim, num_kv_heads * head_dim, kv_head_start * head_dim
+        self.shards = {"q": (0, self.q_size, full_q, tp_rank * self.q_size),
+                       "k": (self.q_size, self.kv_size, full_kv, kv_start),
+                       "v": (self.q_size + self.kv_size, self.kv_size, full_kv, kv_start)}
 
 
 class RowParallelLinear(LinearBase):
@@ -194,8 +174,7 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None):
         if param.dim() == 1:  # bias: not sharded
-            copy_checked(param.data, loaded)
-            return
+            return super().weight_loader(param, loaded)
         size = param.shape[1]
         copy_checked(param.data, take_shard(loaded, 1, size * self.tp_size, self.tp_rank * size, size))
 

@@ -14,8 +14,7 @@ from torch import nn
 
 from nanoserve.kernels.reference import add_lora_ref
 from nanoserve.layers.activation import pick
-from nanoserve.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-                                     copy_checked)
+from nanoserve.layers.linear import LinearBase, RowParallelLinear, copy_checked
 
 
 @dataclass
@@ -31,15 +30,6 @@ class LoRABatch:
         return cls(torch.from_numpy(token_slots).to(device))
 
 
-def output_parts(linear: LinearBase) -> list[int]:
-    """The sizes of the sub-projections a linear's output (this rank's part) concatenates."""
-    if isinstance(linear, QKVParallelLinear):
-        return [linear.q_size, linear.kv_size, linear.kv_size]
-    if isinstance(linear, MergedColumnParallelLinear):
-        return [size // linear.tp_size for size in linear.output_sizes]
-    return [linear.weight.shape[0]]
-
-
 class StackedLoRA(nn.Module):
     """The LoRA weights of one linear layer for every adapter slot (buffers: created zero, on the default device
     and dtype)."""
@@ -48,12 +38,11 @@ class StackedLoRA(nn.Module):
         super().__init__()
         self.max_rank = max_rank
         self.row_parallel = isinstance(linear, RowParallelLinear)
-        self.shard_ids = getattr(linear, "shard_ids", (None,))
-        sizes = output_parts(linear)
-        self.parts = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (first output column, size)
+        self.shard_ids = tuple(linear.shards)
+        self.parts = [(offset, size) for offset, size, _, _ in linear.shards.values()]  # (first output column, size)
         self.load_shard = linear.weight_loader  # copies this rank's part of a full tensor, as for the weight
         out_size, in_size = linear.weight.shape
-        self.register_buffer("a", torch.zeros(num_slots, len(sizes) * max_rank, in_size), persistent=False)
+        self.register_buffer("a", torch.zeros(num_slots, len(self.parts) * max_rank, in_size), persistent=False)
         self.register_buffer("b", torch.zeros(num_slots, out_size, max_rank), persistent=False)
 
     def clear(self, slot: int) -> None:

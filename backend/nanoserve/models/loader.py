@@ -56,4 +56,4 @@ def map_name(key: str, packed: dict) -> tuple[str, object]:
 
 def _shard_ids(model: nn.Module, param_name: str) -> tuple:
     module = model.get_submodule(param_name.rpartition(".")[0])
-    return getattr(module, "shard_ids", (None,))
+    return tuple(getattr(module, "shards", (None,)))  # a linear layer's shard ids
