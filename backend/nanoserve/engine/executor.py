@@ -2,6 +2,7 @@
 ("exit", ()) or when rank 0's end of its pipe closes, so no process outlives the engine."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import sys
@@ -76,10 +77,8 @@ class Executor:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):  # that worker is already gone
                 conn.send(("exit", ()))
-            except (BrokenPipeError, OSError):  # that worker is already gone
-                pass
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():

@@ -2,6 +2,7 @@
 engine API"). Not thread-safe: one thread owns an LLMEngine and calls add_request / abort_request between steps."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -219,10 +220,8 @@ class LLMEngine:
 def eos_token_ids(config: EngineConfig, tokenizer) -> set[int]:
     """EOS ids from config.json, generation_config.json (Qwen lists two there) and the tokenizer."""
     sources = [getattr(config.hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    try:
+    with contextlib.suppress(OSError):  # no generation_config.json
         sources.append(GenerationConfig.from_pretrained(config.model).eos_token_id)
-    except OSError:  # no generation_config.json
-        pass
     ids = set()
     for eos in sources:
         ids.update(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])

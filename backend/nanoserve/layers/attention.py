@@ -1,15 +1,8 @@
-"""Paged attention behind one interface. The model runner describes each step once, backend-neutrally, as an
-AttentionBatch; the backend turns it into its own metadata (`backend.build(batch)`), which the model passes
-to every layer; a layer stores the step's new K/V into the paged cache by slot, then attends over the cache.
-
-Backends, chosen by name (`make_backend`), one instance per model:
-  "torch"      nanoserve.kernels.torch_attention (the CPU path, with cpu_ops.cpp's decode kernel; host-synchronizing,
-               so never CUDA-graphed)
-  "triton"     nanoserve.kernels.ops (same signatures as the reference)
-  "flash_attn" flash_attn_varlen_func / flash_attn_with_kvcache (paged KV needs block_size % 256 == 0)
-Padded rows of CUDA-graph batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or
-read, and the triton and flash_attn backends write zeros for them (dropped afterwards).
-"""
+"""Paged attention behind one interface (docs/architecture.md, "Attention backends"): the runner describes each
+step once as an AttentionBatch, the backend turns it into its own metadata (`backend.build(batch)`), and each layer
+stores the step's new K/V into the paged cache by slot, then attends over the cache. Padded rows of CUDA-graph
+batches (engine/cuda_graph.py) have slot -1 and seq_len 0: nothing is stored or read, and the triton and flash_attn
+backends write zeros for them (dropped afterwards)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -39,10 +39,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab], complete on rank 0 (None on the other ranks)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
-        self.packed_weight: torch.Tensor | None = None  # set by layers.linear.pack_cpu_weights
+    packed_weight: torch.Tensor | None = None  # set by layers.linear.pack_cpu_weights
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))

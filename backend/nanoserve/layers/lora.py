@@ -1,8 +1,5 @@
 """Batched LoRA for the tensor-parallel linear layers (docs/architecture.md, "Multi-LoRA"): tokens of different
-adapters, and of none, share a step (punica's BGMV/SGMV). Each adapter-capable linear stacks the weights of
-`num_slots` adapters: A [slots, parts * max_rank, in], B [slots, out, max_rank] (ranks zero-padded, the scaling in
-B), sharded like the weight; a token of slot s adds (x @ A_s.T) @ B_s.T to its row of the output.
-"""
+adapters, and of none, share a step; a token of slot s adds (x @ A_s.T) @ B_s.T to its row of the output."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +28,9 @@ class LoRABatch:
 
 
 class StackedLoRA(nn.Module):
-    """The LoRA weights of one linear layer for every adapter slot (buffers: created zero, on the default device
-    and dtype)."""
+    """The LoRA weights of one linear layer for every adapter slot, sharded like its weight: A [slots, parts *
+    max_rank, in], B [slots, out, max_rank] (ranks zero-padded, the scaling in B; created zero, on the default
+    device and dtype)."""
 
     def __init__(self, linear: LinearBase, num_slots: int, max_rank: int):
         super().__init__()

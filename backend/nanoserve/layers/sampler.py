@@ -1,8 +1,6 @@
-"""Logits -> next tokens, from tensors only (docs/architecture.md, "Sampler"). Penalties, min_tokens and the token
-bitmask edit the logits, logprobs are read there, then greedy rows take the argmax and the others sample from the
-tempered, filtered distribution: unseeded rows by inverse CDF, one uniform per row (Exp(1) noise for every
-vocabulary entry costs more than the rest of the sampler); seeded rows by an exponential race whose noise depends
-only on (seed, tokens generated), so they are batch-independent. Filtered-out tokens have probability 0."""
+"""Logits -> next tokens, from tensors only (docs/architecture.md, "Sampler"). Unseeded rows draw by inverse CDF,
+one uniform per row (Exp(1) noise for every vocabulary entry costs more than the rest of the sampler); seeded rows
+by an exponential race whose noise depends only on (seed, tokens generated). Filtered-out tokens are never drawn."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -154,8 +152,7 @@ class Sampler:
     @staticmethod
     def _generator(cache: dict, device: torch.device, seed: int) -> torch.Generator:
         if device not in cache:
-            cache[device] = torch.Generator(device=device)
-            cache[device].manual_seed(seed)
+            cache[device] = torch.Generator(device=device).manual_seed(seed)
         return cache[device]
 
 

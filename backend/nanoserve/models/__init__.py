@@ -12,8 +12,7 @@ MODELS = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": Qwen2ForCaus
 
 
 def get_model_class(hf_config) -> type:
-    archs = getattr(hf_config, "architectures", None) or []
-    arch = archs[0] if archs else None
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch not in MODELS:
         raise ValueError(f"unsupported model architecture {arch!r} (config.json 'architectures'); "
                          f"supported: {', '.join(sorted(MODELS))}")

@@ -1,10 +1,6 @@
-"""GGUF files (llama.cpp's format) as Hugging Face checkpoints.
-
-`checkpoint_dir("model.gguf")` converts the file once into a checkpoint directory (config.json, float32
-safetensors, tokenizer files with the chat template) under the cache directory, keyed by the file's content hash,
-and returns its path; the engine then loads it as any other checkpoint. The `gguf` package reads and dequantizes
-the tensors; transformers builds the tokenizer from the file's metadata.
-"""
+"""GGUF files (llama.cpp's format) as Hugging Face checkpoints: `checkpoint_dir("model.gguf")` converts the file
+once (the `gguf` package dequantizes the tensors, transformers builds the tokenizer from its metadata) into a
+checkpoint directory under the cache directory, keyed by the file's content hash, which loads as any other."""
 from __future__ import annotations
 
 import hashlib
