@@ -59,7 +59,10 @@ def as_checkpoint_dir(path: str, cache_dir: str | None = None) -> str:
 
 def convert(path: Path, out: Path) -> None:
     """Write the checkpoint for the GGUF file at path into the (existing) directory out."""
-    reader = _open(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
@@ -139,13 +142,6 @@ def _dequantized(tensor, path: Path) -> np.ndarray:
                          f"gguf package cannot dequantize") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
     return np.ascontiguousarray(weights.reshape(shape), dtype=np.float32)
-
-
-def _open(path: Path) -> GGUFReader:
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from None
 
 
 def _field(reader: GGUFReader, key: str, default=None):

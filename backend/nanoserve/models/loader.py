@@ -21,7 +21,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())  # a tied lm_head.weight is listed once, as embed_tokens
     packed = getattr(model, "packed_modules", {})
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    expected = {(name, shard) for name in params for shard in _shard_ids(model, name)}
+    # (parameter, shard id): a fused linear layer takes each of its shards from a checkpoint tensor of its own
+    expected = {(name, shard) for name in params
+                for shard in getattr(model.get_submodule(name.rpartition(".")[0]), "shards", (None,))}
     loaded, unexpected = set(), []
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -52,8 +54,3 @@ def map_name(key: str, packed: dict) -> tuple[str, object]:
         if part in key:
             return key.replace(part, f".{target}."), shard
     return key, None
-
-
-def _shard_ids(model: nn.Module, param_name: str) -> tuple:
-    module = model.get_submodule(param_name.rpartition(".")[0])
-    return tuple(getattr(module, "shards", (None,)))  # a linear layer's shard ids
