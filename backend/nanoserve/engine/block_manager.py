@@ -1,15 +1,25 @@
-"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): reference-counted blocks and a prefix cache.
-Freed blocks stay findable until reused, least recently freed first."""
+"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): fixed-size reference-counted blocks, and a prefix
+cache where a full computed block is found by xxh64(previous block's hash + its token ids), the chain of a LoRA
+sequence starting from its adapter's key. Freed blocks stay findable until reused, least recently freed first."""
 from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
 
+import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
 
 NO_HASH = -1
+
+
+def block_offset(positions: np.ndarray, block_size: int) -> np.ndarray:
+    """positions % block_size, by a mask when block_size is a power of two (the usual case): numpy's integer
+    division is several times slower."""
+    if block_size & (block_size - 1):
+        return positions % block_size
+    return positions & (block_size - 1)
 
 
 def first_prev_hash(seq: Sequence) -> int:
@@ -60,23 +70,26 @@ class BlockManager:
         """Give a newly admitted sequence the longest run of cached blocks matching its tokens; returns the
         number of tokens hit. The block holding the last token is never taken, so at least one token is
         computed (its logits are needed to sample)."""
-        return self._share(seq, self._find_cached_prefix(seq) if self.enable_prefix_caching else [])
+        assert not seq.block_table, seq
+        hit_blocks = self._find_cached_prefix(seq) if self.enable_prefix_caching else []
+        for block in hit_blocks:
+            if block.ref_count == 0:
+                del self.free_block_ids[block.block_id]
+            block.ref_count += 1
+        seq.block_table = [block.block_id for block in hit_blocks]
+        hit_tokens = len(hit_blocks) * self.block_size
+        self.prefix_cache_hit_tokens += hit_tokens
+        return hit_tokens
 
     def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> int:
         """Give a newly admitted child the first num_blocks blocks of parent (full, their KV computed), shared by
         reference count; returns the tokens they hold. They count as prefix-cache hits: the child computes none
         of them. undo_cached_prefix gives them back."""
-        return self._share(child, [self.blocks[block_id] for block_id in parent.block_table[:num_blocks]])
-
-    def _share(self, seq: Sequence, blocks: list[Block]) -> int:
-        """Start seq's table with blocks whose KV is computed (one more reference each); returns their tokens."""
-        assert not seq.block_table, seq
-        for block in blocks:
-            if block.ref_count == 0:
-                del self.free_block_ids[block.block_id]
-            block.ref_count += 1
-        seq.block_table = [block.block_id for block in blocks]
-        hit_tokens = len(blocks) * self.block_size
+        assert not child.block_table, child
+        child.block_table = parent.block_table[:num_blocks]
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1  # the parent holds them: never 0 here, so never in the free list
+        hit_tokens = num_blocks * self.block_size
         self.prefix_cache_hit_tokens += hit_tokens
         return hit_tokens
 
@@ -136,13 +149,16 @@ class BlockManager:
         while first_unhashed > 0 and blocks[table[first_unhashed - 1]].hash == NO_HASH:
             first_unhashed -= 1
         for i in range(first_unhashed, num_full):
-            block = blocks[table[i]]
-            block.token_ids = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            block.hash = chain_hash(blocks[table[i - 1]].hash if i else first_prev_hash(seq), block.token_ids)
-            self.num_cached_blocks += 1
-            # Another block with the same content may already be registered (two sequences prefilled the same
-            # prefix at once); keep that one, this block still carries the hash for chaining.
-            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+            prev_hash = blocks[table[i - 1]].hash if i else first_prev_hash(seq)
+            self._register(blocks[table[i]], prev_hash, seq.token_ids, i)
+
+    def _register(self, block: Block, prev_hash: int, token_ids: list[int], index: int) -> None:
+        block.token_ids = token_ids[index * self.block_size:(index + 1) * self.block_size]
+        block.hash = chain_hash(prev_hash, block.token_ids)
+        self.num_cached_blocks += 1
+        # Another block with the same content may already be registered (two sequences prefilled the same
+        # prefix at once); keep that one, this block still carries the hash for chaining.
+        self.hash_to_block_id.setdefault(block.hash, block.block_id)
 
     # ---- release ----
     def free(self, seq: Sequence) -> None:

@@ -1,10 +1,14 @@
 """Incremental detokenization with stop strings: the deltas concatenate to exactly tokenizer.decode(output_ids)
 (replacement characters included), cut at the first stop string.
 
-Byte-level BPE (GPT-2, Llama 3, Qwen) decodes as the UTF-8 of the tokens' concatenated bytes, from a per-token
-bytes table. Other tokenizers decode a short window of the latest tokens and commit the text later tokens can no
-longer change: nothing while the window ends inside a character (U+FFFD, or a <0xNN> byte token), and the window
-starts a few tokens back, at a committed point, for decoders that drop the first token's leading space.
+Byte-level BPE (GPT-2, Llama 3, Qwen) decodes as the UTF-8 of the tokens' concatenated bytes: a per-token bytes
+table and an incremental UTF-8 decoder do that without calling the tokenizer, and `add_token` (one token, no stop
+strings, no character pending) is a table lookup. Other tokenizers decode a short window of the latest tokens and
+commit the text later tokens can no longer change. Two things make a token's text depend on its neighbours: a
+character split across tokens (the window's text then ends with U+FFFD or in a <0xNN> byte token, and nothing is
+committed), and decoders that drop the first token's leading space (the window starts a few tokens back, at a point
+already committed). `tokenizers`' DecodeStream cannot replace either path: it raises on byte-fallback runs that do
+not form UTF-8, and costs a Rust call per token where the byte table is a lookup.
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text released so far (after flush(): the final text)."""
-        return "".join(self._parts)
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     @property
     def finished(self) -> bool:
@@ -55,9 +61,17 @@ class IncrementalDetokenizer:
         texts = self._texts
         if texts is None:
             return self.add((token_id,))
-        text = texts[token_id] if not self._tail and token_id < len(texts) else None
-        if text is None:  # part of a character, or past the tokenizer's vocab (decoded as nothing)
-            text = self._decode_bytes(token_bytes(self._bytes, (token_id,)))
+        if not self._tail:
+            try:
+                text = texts[token_id]
+            except IndexError:  # past the tokenizer's vocab: decoded (as nothing) below
+                text = None
+            if text is not None:
+                if text:
+                    self._parts.append(text)
+                return text
+        table = self._bytes
+        text = self._decode_bytes(table[token_id] if token_id < len(table) else b"")
         if text:
             self._parts.append(text)
         return text
@@ -150,7 +164,10 @@ def earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
 
 def token_bytes(table: list[bytes], token_ids: Sequence[int]) -> bytes:
     """The tokens' bytes; ids past the tokenizer's vocab (padded embedding rows) are dropped, as decode() does."""
-    return b"".join([table[i] for i in token_ids if i < len(table)])
+    try:
+        return b"".join([table[i] for i in token_ids])
+    except IndexError:
+        return b"".join([table[i] for i in token_ids if i < len(table)])
 
 
 def _decode_fn(tokenizer, skip_special_tokens: bool):

@@ -1,9 +1,11 @@
-"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"), kept up to date from
-each SchedulerOutput's diffs. A step's token ids and KV slots are one `take` each from the flat tables (index
-slot * width + position)."""
+"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"): one row per running
+sequence, in the scheduler's order, kept up to date from each SchedulerOutput's diffs. A row's token ids, KV slots
+and sampling parameters sit in a slot it keeps while it runs (`slots[row]`), so a leaving row moves one entry and a
+step's token ids and KV slots are one `take` each from the flat tables (index slot * width + position)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from itertools import chain
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ from nanoserve.sampling_params import SamplingParams
 
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
+# sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
+FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs")
 
 
 @dataclass
@@ -45,14 +49,14 @@ class StepInputs:
     lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
 
 
-def _features(params: SamplingParams) -> dict[str, bool]:
-    """The sampling features a row uses: each costs work only while some row uses it."""
-    return {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
+def _features(params: SamplingParams) -> list[str]:
+    used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
             "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
             "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
             "prompt_logprobs": params.prompt_logprobs is not None,
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
+    return [name for name in FEATURES if used[name]]
 
 
 class InputBatch:
@@ -70,7 +74,8 @@ class InputBatch:
         self.token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
         self._flat_token_ids = self.token_ids.ravel()
         # the KV cache slot of every position a row's blocks cover (block_id * block_size + offset)
-        self._flat_kv_slots = np.zeros(max_num_seqs * width, dtype=np.int32)
+        self.kv_slots = np.zeros((max_num_seqs, width), dtype=np.int32)
+        self._flat_kv_slots = self.kv_slots.ravel()
         self._row_start = np.arange(max_num_seqs, dtype=np.int64) * width  # per slot: its flat index 0
         self._block_offsets = np.arange(block_size, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -87,7 +92,9 @@ class InputBatch:
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)  # -1: none wanted, or had already
         self.lora_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # the device slot of the row's LoRA adapter
         self.num_lora_rows = 0
-        self.num_rows_using = dict.fromkeys(_features(SamplingParams()), 0)
+        self.num_rows_using = dict.fromkeys(FEATURES, 0)
+        # how many rows hold each value of a column: one value for the whole batch is passed as a number
+        self.values = {name: Counter() for name in ("temperature", "top_k", "top_p", "log_min_p")}
 
     def __len__(self) -> int:
         return len(self.req_ids)
@@ -129,10 +136,15 @@ class InputBatch:
         return slot
 
     def _count(self, slot: int, delta: int) -> None:
-        """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature."""
+        """The row in slot joins (delta 1) or leaves (-1) the counts of rows using each feature and value."""
         self.num_lora_rows += delta * int(self.lora_slot[slot] >= 0)
-        for name, used in _features(self.params[slot]).items():
-            self.num_rows_using[name] += delta * used
+        for name in _features(self.params[slot]):
+            self.num_rows_using[name] += delta
+        for name, counter in self.values.items():
+            value = getattr(self, name)[slot].item()
+            counter[value] += delta
+            if not counter[value]:
+                del counter[value]
 
     def _append_blocks(self, slots: np.ndarray, block_ids: list[list[int]]) -> None:
         """Append block_ids[i] to the table of slots[i] (distinct slots), with the KV slots of the positions they
@@ -166,22 +178,31 @@ class InputBatch:
         if np.count_nonzero(counts) < len(counts):  # rows the budget left out are not in the step
             rows = counts.nonzero()[0]
             counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
-        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
-        query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
-        positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
-        token_slots = np.repeat(slots, counts)
+        num_rows = len(counts)
+        if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
+            query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
+            logits_indices = np.arange(num_rows)  # each row's one token (int64)
+            positions, token_slots, max_query_len = computed, slots, min(num_rows, 1)
+        else:
+            query_start_loc = np.zeros(num_rows + 1, dtype=np.int32)
+            query_start_loc[1:] = ends = counts.cumsum()  # int64, as are the logits indices taken from it
+            assert ends[-1] == out.num_batched_tokens, "num_batched_tokens is not the sum of num_scheduled_tokens"
+            positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
+            token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
+            logits_indices = ends - 1
         token_index = self._row_start[token_slots] + positions
         seq_lens = computed + counts
         max_seq_len = int(np.maximum.reduce(seq_lens, initial=0))
-        # a prompt chunk short of its end samples nothing
-        self.sampling_slots, self.sampling_lengths = slots[samples], seq_lens[samples]
-        logits_indices = (ends - 1)[samples]
+        self.sampling_slots, self.sampling_lengths = slots, seq_lens
+        if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
+            self.sampling_slots, self.sampling_lengths, logits_indices = slots[samples], seq_lens[samples], \
+                logits_indices[samples]
         self._next_token_index = token_index[logits_indices] + 1
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
                           seq_lens.astype(np.int32),
                           self.block_tables[:, :-(-max_seq_len // self.block_size)].take(slots, axis=0),
-                          logits_indices, int(np.maximum.reduce(counts, initial=0)), max_seq_len,
+                          logits_indices, max_query_len, max_seq_len,
                           self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None,
                           self.lora_slot.take(token_slots) if self.num_lora_rows else None)
 
@@ -206,8 +227,11 @@ class InputBatch:
         """The sampling parameters of the step's sampling rows, in order; bitmask: the tokens allowed to the rows
         with structured outputs (built by the engine, whose matchers follow the grammars)."""
         slots, uses = self.sampling_slots, self.num_rows_using
-        greedy = self.temperature[slots] < GREEDY_TEMPERATURE if uses["greedy"] else np.zeros(len(slots), bool)
-        meta = SamplingMetadata(num_rows=len(slots), all_greedy=bool(greedy.all()))
+        greedy = None  # per row, when the batch mixes greedy and sampled rows
+        if 0 < uses["greedy"] < len(self):
+            greedy = self.temperature[slots] < GREEDY_TEMPERATURE
+        all_greedy = not len(slots) or uses["greedy"] == len(self) or (greedy is not None and bool(greedy.all()))
+        meta = SamplingMetadata(num_rows=len(slots), all_greedy=all_greedy)
         if not meta.all_greedy:
             self._set_sampling(meta, slots, greedy, device)
         if uses["penalties"]:
@@ -222,11 +246,12 @@ class InputBatch:
             meta.token_bitmask = (_tensor(bitmask.bitmask.numpy(), device), bitmask.rows)
         return meta
 
-    def _set_sampling(self, meta: SamplingMetadata, slots, greedy: np.ndarray, device) -> None:
-        if greedy.any():  # a batch that mixes greedy and sampled rows
+    def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
+        if greedy is not None and greedy.any():
             meta.greedy = _tensor(greedy, device)
             meta.temperatures = _tensor(np.where(greedy, np.float32(1.0), self.temperature[slots])[:, None], device)
         else:
+            greedy = np.zeros(len(slots), dtype=bool)
             meta.temperatures = self._column("temperature", slots, device)
         uses = self.num_rows_using
         if uses["top_k"]:
@@ -246,11 +271,10 @@ class InputBatch:
             meta.seeds, meta.seed_steps = seeded, [num_output[row] for row, _ in seeded]
 
     def _column(self, name: str, slots: np.ndarray, device) -> float | int | torch.Tensor:
-        """A sampling parameter of the rows in slots: a number when they all agree, else [N, 1]."""
-        values = getattr(self, name)[slots]
-        if (values == values[0]).all():
-            return values[0].item()
-        return _tensor(values[:, None], device)
+        """A sampling parameter of the rows in slots: a number when the whole batch agrees, else [N, 1]."""
+        if len(self.values[name]) == 1:
+            return next(iter(self.values[name]))
+        return _tensor(getattr(self, name)[slots][:, None], device)
 
     def _penalties(self, slots: np.ndarray, device) -> Penalties | None:
         values = self.penalties[slots]

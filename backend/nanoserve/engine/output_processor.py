@@ -1,5 +1,8 @@
 """Outputs in one place (docs/architecture.md, "Output processor"): per sequence its detokenizer, the stop rule
-and the RequestOutputs a step produces: every step it samples when streamed, else when it finishes."""
+(EOS, stop_token_ids, stop strings, grammars, the length limit) and the RequestOutputs a step produces. A streamed
+sequence gets an output every step it samples, any other one when it finishes; rows that need no Python this step
+cost a few numpy calls. A request with n > 1 is n sequences whose outputs carry the sample's index; `finished`
+is set on the output of the last one to finish."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,16 +36,23 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
 
 
+class Samples:
+    """The n > 1 sequences of one request: their ids, and how many have not finished."""
+    __slots__ = ("sequence_ids", "num_unfinished")
+
+    def __init__(self, sequence_ids: list[str]):
+        self.sequence_ids, self.num_unfinished = sequence_ids, len(sequence_ids)
+
+
 class RequestState:
     __slots__ = ("seq", "detokenizer", "stream", "stop_token_ids", "wants_logprobs", "needs_text", "watched",
                  "logprobs", "logprob_ranks", "cumulative_logprob", "request_id", "index", "samples",
                  "prompt_logprobs")
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, stream: bool, request_id: str,
-                 index: int = 0, samples: list[str] | None = None):
+                 index: int = 0, samples: Samples | None = None):
         self.seq, self.detokenizer, self.stream = seq, detokenizer, stream
-        # samples: the ids of the request's n > 1 sequences (None when n is 1)
-        self.request_id, self.index, self.samples = request_id, index, samples
+        self.request_id, self.index, self.samples = request_id, index, samples  # samples: None when n is 1
         params = seq.sampling_params
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.wants_logprobs = params.logprobs is not None
@@ -66,9 +76,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, RequestState] = {}  # by sequence id (a request's id when n is 1)
-        self.samples: dict[str, list[str]] = {}  # the sequence ids of the requests with n > 1, by request id
+        self.samples: dict[str, Samples] = {}  # the requests with n > 1, by request id
         self.watched: set[str] = set()  # the sequences looked at every step
         self.constrained: set[str] = set()  # the sequences with structured outputs (a grammar)
+        # streamed sequences whose prompt logprobs go with their first output, by (request id, index)
+        self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
+        self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -82,7 +95,7 @@ class OutputProcessor:
         """A request's sequences: one, or its n samples in order."""
         samples = None
         if len(seqs) > 1:
-            samples = self.samples[request_id] = [seq.request_id for seq in seqs]
+            samples = self.samples[request_id] = Samples([seq.request_id for seq in seqs])
         for index, seq in enumerate(seqs):
             params = seq.sampling_params
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
@@ -92,14 +105,19 @@ class OutputProcessor:
                 self.watched.add(seq.request_id)
             if seq.grammar is not None:
                 self.constrained.add(seq.request_id)
+            if stream and state.prompt_logprobs is not None:
+                self.prompt_logprobs_due[request_id, index] = state
             self._mark_stop_ids(params.stop_token_ids)
 
     def sequence_ids(self, request_id: str) -> list[str]:
         """The ids of a request's sequences (the request's own id when n is 1), finished ones included."""
-        return self.samples.get(request_id, [request_id])
+        samples = self.samples.get(request_id)
+        return list(samples.sequence_ids) if samples is not None else [request_id]
 
     def request_ids(self) -> set[str]:
         """The requests that have not finished."""
+        if not self.samples:
+            return set(self.requests)
         return {state.request_id for state in self.requests.values()}
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -107,10 +125,14 @@ class OutputProcessor:
         none if it is unknown."""
         outputs = []
         for sequence_id in self.sequence_ids(request_id):
-            state = self.requests.get(sequence_id)
+            state = self.requests.pop(sequence_id, None)
             if state is None:
                 continue
-            done, seq = self._forget(state), state.seq
+            self.watched.discard(sequence_id)
+            self.constrained.discard(sequence_id)
+            self.prompt_logprobs_due.pop((request_id, state.index), None)
+            self._rows = [], []
+            done, seq = self._sequence_done(state), state.seq
             if not state.stream:
                 outputs.append(self._final_output(state, "abort", done))
                 continue
@@ -119,17 +141,14 @@ class OutputProcessor:
                                          seq.num_cached_tokens, index=state.index))
         return outputs
 
-    def _forget(self, state: RequestState) -> bool:
-        """A sequence has finished: drop its state; True when it was the last of its request."""
-        sequence_id = state.seq.request_id
-        del self.requests[sequence_id]
-        self.watched.discard(sequence_id)
-        self.constrained.discard(sequence_id)
-        if state.samples is None:
-            return True
-        if any(other in self.requests for other in state.samples):
-            return False
-        del self.samples[state.request_id]
+    def _sequence_done(self, state: RequestState) -> bool:
+        """A sequence of the request has finished: True when it was the last one."""
+        samples = state.samples
+        if samples is not None:
+            samples.num_unfinished -= 1
+            if samples.num_unfinished:
+                return False
+            del self.samples[state.request_id]
         return True
 
     def _add_prompt_logprobs(self, chunks: dict[str, tuple[int, PromptLogprobs]]) -> None:
@@ -158,12 +177,13 @@ class OutputProcessor:
                 looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
             if not looked_at.any():
                 return []
-        rows = zip(seqs, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
+        states = self._states(seqs)
+        rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
         if looked_at is not None:
             rows = compress(rows, looked_at.tolist())
         finished = []
-        for seq, token_id, logprob, may_stop, row in rows:
-            state = self.requests[seq.request_id]
+        for state, token_id, logprob, may_stop, row in rows:
+            seq = state.seq
             new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprob
@@ -172,25 +192,45 @@ class OutputProcessor:
             detokenizer = state.detokenizer
             delta = detokenizer.add_token(token_id) if state.needs_text else ""
             reason, done = None, False
-            if (seq.grammar is not None and seq.grammar.advance(token_id)) or detokenizer.stop_matched is not None:
-                reason = "stop"
-            elif may_stop:
-                reason = self._finish_reason(state, token_id)
-            if reason is not None:
-                finished.append((seq, reason))
-                done = self._forget(state)
-                if not state.stream:
-                    outputs.append(self._final_output(state, reason, done))
-                    continue
-                delta += detokenizer.flush()
+            grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
+            if may_stop or grammar_ends or detokenizer.stop_matched is not None:
+                reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
+                    self._finish_reason(state, token_id)
+                if reason is not None:
+                    finished.append((seq, reason))
+                    del self.requests[seq.request_id]
+                    self.watched.discard(seq.request_id)
+                    self.constrained.discard(seq.request_id)
+                    done = self._sequence_done(state)
+                    if not state.stream:
+                        outputs.append(self._final_output(state, reason, done))
+                        continue
+                    delta += detokenizer.flush()
             if state.stream:
-                # the prompt logprobs go once, with the first output made (after a failed step, not the first token's)
-                prompt_logprobs, state.prompt_logprobs = state.prompt_logprobs, None
                 outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason,
                                              seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
                                              state.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
-                                             new_ranks, state.index, prompt_logprobs))
+                                             new_ranks, state.index))
+        if self.prompt_logprobs_due:
+            self._attach_prompt_logprobs(outputs)
+        if finished:
+            self._rows = [], []  # a finished request's state is not kept alive
         return finished
+
+    def _states(self, seqs: list[Sequence]) -> list[RequestState]:
+        """The states of a step's sequences, in row order; kept until one of them finishes, as the next steps mostly
+        have the same rows (a sequence's state is the same object while it runs)."""
+        if seqs != self._rows[0]:
+            requests = self.requests
+            self._rows = seqs, [requests[seq.request_id] for seq in seqs]
+        return self._rows[1]
+
+    def _attach_prompt_logprobs(self, outputs: list[RequestOutput]) -> None:
+        """A streamed sequence's prompt logprobs go with its first output: they are complete once it samples."""
+        for output in outputs:
+            state = self.prompt_logprobs_due.pop((output.request_id, output.index), None)
+            if state is not None:
+                output.prompt_logprobs = state.prompt_logprobs
 
     @staticmethod
     def _logprob_entry(state: RequestState, token_id: int, logprob: float, top) -> tuple[list[dict], list[int]]:

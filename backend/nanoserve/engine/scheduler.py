@@ -1,6 +1,10 @@
-"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"). A request's
-later samples (n > 1) wait until its first has computed the prompt, then share its full prompt blocks. With LoRA, a
-waiting sequence is admitted only while its adapter holds or can take a device slot; else it is passed over."""
+"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"): no prefill or
+decode phase; each step gives the running sequences, oldest first, the tokens they lack within the token budget,
+then admits waiting ones FIFO with what is left. When KV blocks run out, the newest running sequence is preempted
+by recompute. The running sequences are the batch's rows and their numbers columns of one array, so a step decides
+with numpy; only rows that need a block, and admissions, cost Python. A request's later samples (n > 1) wait until
+its first has computed the prompt, then share its full prompt blocks. With LoRA, a waiting sequence is admitted
+only while its adapter holds or can take a device slot (engine/lora.py); else it is passed over, keeping its place."""
 from __future__ import annotations
 
 from collections import deque
@@ -9,12 +13,13 @@ from itertools import compress
 
 import numpy as np
 
-from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.block_manager import BlockManager, block_offset
 from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_SAMPLES = np.zeros(0, dtype=bool)
 
 
 @dataclass
@@ -81,30 +86,29 @@ class Scheduler:
                 return seq
         for seq in self.waiting:
             if seq.request_id == request_id:
-                self.waiting.remove(seq)  # a waiting sequence holds no blocks
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                self.waiting.remove(seq)
+                self._release(seq, "abort")
                 return seq
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch."""
-        self._leave(seq)
-        self._finished_ids.append(seq.request_id)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-
-    def _leave(self, seq: Sequence) -> None:
-        """A running sequence's row leaves (the rows after it move up), with its adapter's slot and its blocks."""
         row, last = self.running.index(seq), len(self.running) - 1
         del self.running[row]
         self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
         self.columns[:, last] = 0
-        if seq.lora is not None:
-            self.lora_slots.release(seq.lora)
+        self._finished_ids.append(seq.request_id)
+        self._release_lora_slot(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(self._new_token_ids, self._finished_ids)
+        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [], _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
         self._new_token_ids, self._finished_ids = _NO_TOKENS, []
         counts, num_batched = self._schedule_running(out)
         if self.waiting and not out.preempted_ids:
@@ -114,7 +118,9 @@ class Scheduler:
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
         out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
         out.num_batched_tokens = num_batched
-        out.num_prefill_tokens = int(np.add.reduce(np.clip(num_prompt - computed, 0, counts)))
+        in_prompt = num_prompt > computed
+        if np.count_nonzero(in_prompt):
+            out.num_prefill_tokens = int(np.add.reduce(np.minimum(num_prompt - computed, counts)[in_prompt]))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
@@ -151,7 +157,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Preempt by recompute: drop the KV, and recompute prompt + output when it is admitted again."""
-        self._leave(seq)
+        self.running.pop()  # always the newest
+        self.columns[:, len(self.running)] = 0
+        self._release_lora_slot(seq)
+        self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_cached_tokens = 0
         self.waiting.appendleft(seq)
@@ -189,6 +198,10 @@ class Scheduler:
         if load:
             out.lora_loads.append((slot, seq.lora))
         return slot
+
+    def _release_lora_slot(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.lora_slots.release(seq.lora)
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, int]:
         """Take the computed prefix and blocks for the first chunk: (tokens cached, chunk size); the chunk is 0 when
@@ -229,16 +242,18 @@ class Scheduler:
         computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
         num_tokens += samples
-        seqs = list(compress(running, samples))
+        seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
-            filled = computed % self.block_size < counts  # the rows that filled a block
+            filled = block_offset(computed, self.block_size) < counts  # the rows that filled a block
             for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
                 self.block_manager.cache_full_blocks(running[row], int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
         self._new_token_ids = sampled_token_ids
-        return SampledSeqs(seqs, num_tokens[samples], max_num_tokens[samples])
+        if len(seqs) < len(running):
+            num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
+        return SampledSeqs(seqs, num_tokens, max_num_tokens)
 
     def preempt_all(self) -> None:
         """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order, and
