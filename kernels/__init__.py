@@ -1,5 +1,6 @@
-"""Triton-language kernels for nanoserve (installed as `nanoserve.kernels`).
+"""nanoserve's kernels (installed as `nanoserve.kernels`): Triton-language kernels for CUDA (`ops.py` and the
+modules it imports) and C++ ones for the CPU (`cpu_ops.cpp`, built on first use by `cpu_ops.py`).
 
-`reference.py` holds the plain-torch version of every kernel: it is the CPU attention path and the
-oracle that the kernel tests compare against. It must not import triton.
+`reference.py` holds the plain-torch version of every kernel: the oracle that the kernel tests compare against,
+and the path where no kernel runs. It must not import triton.
 """
