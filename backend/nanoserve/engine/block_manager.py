@@ -1,6 +1,5 @@
-"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): fixed-size reference-counted blocks, and a prefix
-cache where a full computed block is found by xxh64(previous block's hash + its token ids), the chain of a LoRA
-sequence starting from its adapter's key. Freed blocks stay findable until reused, least recently freed first."""
+"""Paged KV-cache bookkeeping (docs/architecture.md, "KV cache"): reference-counted blocks and a prefix cache.
+Freed blocks stay findable until reused, least recently freed first."""
 from __future__ import annotations
 
 from array import array

@@ -1,14 +1,10 @@
 """Incremental detokenization with stop strings: the deltas concatenate to exactly tokenizer.decode(output_ids)
 (replacement characters included), cut at the first stop string.
 
-Byte-level BPE (GPT-2, Llama 3, Qwen) decodes as the UTF-8 of the tokens' concatenated bytes: a per-token bytes
-table and an incremental UTF-8 decoder do that without calling the tokenizer, and `add_token` (one token, no stop
-strings, no character pending) is a table lookup. Other tokenizers decode a short window of the latest tokens and
-commit the text later tokens can no longer change. Two things make a token's text depend on its neighbours: a
-character split across tokens (the window's text then ends with U+FFFD or in a <0xNN> byte token, and nothing is
-committed), and decoders that drop the first token's leading space (the window starts a few tokens back, at a point
-already committed). `tokenizers`' DecodeStream cannot replace either path: it raises on byte-fallback runs that do
-not form UTF-8, and costs a Rust call per token where the byte table is a lookup.
+Byte-level BPE (GPT-2, Llama 3, Qwen) decodes as the UTF-8 of the tokens' concatenated bytes, from a per-token
+bytes table. Other tokenizers decode a short window of the latest tokens and commit the text later tokens can no
+longer change: nothing while the window ends inside a character (U+FFFD, or a <0xNN> byte token), and the window
+starts a few tokens back, at a committed point, for decoders that drop the first token's leading space.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"): one row per running
-sequence, in the scheduler's order, kept up to date from each SchedulerOutput's diffs. A row's token ids, KV slots
-and sampling parameters sit in a slot it keeps while it runs (`slots[row]`), so a leaving row moves one entry and a
-step's token ids and KV slots are one `take` each from the flat tables (index slot * width + position)."""
+"""The model runner's persistent batch (docs/architecture.md, "Executor and model runner"), kept up to date from
+each SchedulerOutput's diffs. A step's token ids and KV slots are one `take` each from the flat tables (index
+slot * width + position)."""
 from __future__ import annotations
 
 import math

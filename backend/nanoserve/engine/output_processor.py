@@ -1,8 +1,5 @@
 """Outputs in one place (docs/architecture.md, "Output processor"): per sequence its detokenizer, the stop rule
-(EOS, stop_token_ids, stop strings, grammars, the length limit) and the RequestOutputs a step produces. A streamed
-sequence gets an output every step it samples, any other one when it finishes; rows that need no Python this step
-cost a few numpy calls. A request with n > 1 is n sequences whose outputs carry the sample's index; `finished`
-is set on the output of the last one to finish."""
+and the RequestOutputs a step produces: every step it samples when streamed, else when it finishes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

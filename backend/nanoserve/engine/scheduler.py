@@ -1,10 +1,6 @@
-"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"): no prefill or
-decode phase; each step gives the running sequences, oldest first, the tokens they lack within the token budget,
-then admits waiting ones FIFO with what is left. When KV blocks run out, the newest running sequence is preempted
-by recompute. The running sequences are the batch's rows and their numbers columns of one array, so a step decides
-with numpy; only rows that need a block, and admissions, cost Python. A request's later samples (n > 1) wait until
-its first has computed the prompt, then share its full prompt blocks. With LoRA, a waiting sequence is admitted
-only while its adapter holds or can take a device slot (engine/lora.py); else it is passed over, keeping its place."""
+"""Continuous batching with chunked prefill, in vLLM v1's manner (docs/architecture.md, "Scheduler"). A request's
+later samples (n > 1) wait until its first has computed the prompt, then share its full prompt blocks. With LoRA, a
+waiting sequence is admitted only while its adapter holds or can take a device slot; else it is passed over."""
 from __future__ import annotations
 
 from collections import deque
