@@ -15,6 +15,7 @@ from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.structured_output import TokenBitmask
+from nanoserve.kernels.cpu_ops import library as cpu_kernels
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
@@ -83,6 +84,8 @@ class ModelRunner:
                           if config.enable_lora else None)
         load_weights(self.model, config.model)
         pack_cpu_weights(self.model)
+        if self.device.type == "cpu":
+            cpu_kernels()  # built or loaded now, while the model loads, rather than in the first request's step
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, eos_token_ids)
         self.sampler = Sampler(config.seed)
