@@ -1,5 +1,5 @@
-// The CPU kernels (torch.ops.nanoserve_cpu), built on first use by cpu_ops.py. Each computes what its
-// reference.py counterpart computes, in float32, rounding to the tensors' dtype where the reference rounds.
+// The CPU kernels (torch.ops.nanoserve_cpu), built by cpu_ops.py when a model runner starts on the CPU. Each
+// computes what its reference.py counterpart computes, in float32, rounding to the dtype where the reference rounds.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
