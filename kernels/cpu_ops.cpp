@@ -143,8 +143,8 @@ template <typename T>
 void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
                 const PagedCache& cache, int64_t heads, int64_t ctx, float scale, std::vector<float>& work) {
   const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
-  work.assign(heads * d + heads * ctx + heads * d, 0.f);
-  float *q32 = work.data(), *scores = q32 + heads * d, *acc = scores + heads * ctx;
+  work.assign(heads * d + heads * ctx + heads * d + heads, 0.f);
+  float *q32 = work.data(), *scores = q32 + heads * d, *acc = scores + heads * ctx, *inv_sum = acc + heads * d;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t i = 0; i < d; ++i) q32[h * d + i] = f32(q[h * q_head_stride + i]) * scale;
   const int64_t token_numel = cache.kv_heads * d;
@@ -153,7 +153,6 @@ void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stri
       for (int64_t h = 0; h < heads; ++h)
         scores[h * ctx + t0 + t] = dot(q32 + h * d, k + t * token_numel + h / group * d, d);
   });
-  std::vector<float> inv_sum(heads);
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * ctx;
     inv_sum[h] = 1.f / exp_and_sum(s, ctx, max_of(s, ctx));
@@ -292,7 +291,8 @@ void rotate_rows(T* out, const at::Tensor& x, const float* cos, const float* sin
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                           const at::Tensor& sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(2) % 2 == 0 &&
-              k.scalar_type() == q.scalar_type(), "q, k: [tokens, heads, head_dim] of one dtype");
+              k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type(),
+              "q, k: [tokens, heads, head_dim] of one dtype, tokens and head_dim alike");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == q.size(0) && cos.size(1) * 2 == q.size(2),
               "cos, sin: [tokens, head_dim / 2]");
   const auto cos32 = cos.to(at::kFloat).contiguous(), sin32 = sin.to(at::kFloat).contiguous();

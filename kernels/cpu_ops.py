@@ -2,7 +2,7 @@
 add), rotary embedding and SiLU-and-mul, each one op where the plain-torch reference takes 3 to 12.
 
 They are compiled for this machine's CPU on first use (torch.utils.cpp_extension with ninja and the system C++
-compiler, ~15 s), once per source, torch and CPU, into NANOSERVE_CACHE (default ~/.cache/nanoserve). Where they
+compiler, ~10 s), once per source, torch and CPU, into NANOSERVE_CACHE (default ~/.cache/nanoserve). Where they
 cannot be built, `cpu_op` returns None, after one warning, and the layers use the references.
 NANOSERVE_CPU_KERNELS=0 turns them off.
 """

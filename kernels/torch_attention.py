@@ -1,5 +1,5 @@
-"""The `attention_backend="torch"` implementation. The step's host work (which rows decode, each prefill's blocks
-and mask) is planned once for all layers. Decode rows (one query token) go through the CPU kernel
+"""The `attention_backend="torch"` implementation. The step's host work (whether any row decodes, each prefill's
+mask) is planned once for all layers. Decode rows (one query token) go through the CPU kernel
 paged_decode_attention (cpu_ops.cpp), which reads each row's blocks in place; where it does not run (CUDA tensors,
 no compiler, a cache dtype other than q's) through reference.decode_attention_ref. Prefill rows go through SDPA,
 over their new K/V or, with a cached prefix or an earlier chunk, over their context gathered from the cache.

@@ -136,3 +136,9 @@ def test_paged_decode_attention_rejects_a_cache_of_another_dtype():
     with pytest.raises(RuntimeError, match="dtype"):
         cpu_op("paged_decode_attention")(torch.empty_like(q), q, k_cache.bfloat16(), v_cache.bfloat16(), tables,
                                          starts, lens, 0.25)
+
+
+def test_rotary_rejects_a_k_whose_head_dim_differs_from_q():
+    q, k, angles = randn(3, 4, 32), randn(3, 2, 16), torch.zeros(3, 16)
+    with pytest.raises(RuntimeError, match="head_dim alike"):
+        cpu_op("rotary")(q, k, angles.cos(), angles.sin())
