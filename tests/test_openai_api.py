@@ -3,6 +3,7 @@ streamed and not, equal the offline engine's greedy text; logprobs equal the eng
 frees its request's KV blocks; bad parameters are 4xx naming them. One server (with --ensemble) for the module."""
 import json
 import socket
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -169,6 +170,19 @@ def test_metrics_on_the_api_port_are_tritonservers_with_the_vllm_gauges(served):
     assert len(gauges) == 4 and any(f'model_name="{MODEL}"' in line for line in gauges)
     with urllib.request.urlopen(served.url_metrics, timeout=30) as response:
         assert set(gauges) <= set(response.read().decode().splitlines())
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/completions", {"prompt": "\ud800"}, "prompt"),  # JSON's "\ud800" escape: a string UTF-8 cannot encode
+    ("/completions", {"prompt": [1, 2, 3]}, "prompt"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, "messages.0.content"),
+])
+def test_a_prompt_that_is_not_text_is_400(served, path, body, param):
+    request = urllib.request.Request(served.openai_url + path, json.dumps({"model": MODEL, **body}).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=60)
+    assert error.value.code == 400 and json.load(error.value)["error"]["param"] == param
 
 
 def test_unknown_model_is_404(client):

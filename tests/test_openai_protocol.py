@@ -51,6 +51,21 @@ def test_completion_prompt_is_one_non_empty_string():
             CompletionRequest(model="m", prompt=prompt).prompt_text()
     with pytest.raises(ValidationError):
         CompletionRequest(model="m", prompt="x", logit_bias={})  # unknown parameters are refused
+    with pytest.raises(APIError, match="token id prompts"):
+        CompletionRequest(model="m", prompt=[1, 2]).prompt_text()
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"prompt": "a\ud800b"}, "prompt"), ({"prompt": "x", "stop": ["ok", "\udfff"]}, "stop.1"),
+    ({"prompt": "x", "structured_outputs": {"json": {"properties": {"\ud800": {}}}}},
+     "structured_outputs.json.properties"),
+])
+def test_a_lone_surrogate_is_a_400_naming_its_field(fields, param):
+    """JSON's "\\ud800" escape decodes to a string that UTF-8 cannot encode: refused before it reaches Triton."""
+    with pytest.raises(APIError) as error:
+        CompletionRequest(model="m", **fields).check_utf8()
+    assert error.value.param == param and error.value.status == 400
+    CompletionRequest(model="m", prompt="emoji \U0001f600 é").check_utf8()  # one beyond U+FFFF is fine
 
 
 def test_chat_template_and_a_bos_the_tokenizer_adds_anyway():

@@ -73,12 +73,14 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        body.check_utf8()
         target = await request.app.state.models.require(body.model)
         prompt = body.prompt_text()
         return await respond(request, CompletionFormat(body, prompt), target)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        body.check_utf8()
         models = request.app.state.models
         target = await models.require(body.model)
         messages = [message.template_dict() for message in body.messages]

@@ -90,6 +90,12 @@ class SamplingRequest(Strict):
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
         "skip_special_tokens", "include_stop_str_in_output", "structured_outputs")
 
+    def check_utf8(self) -> None:
+        """JSON's "\\ud800" escapes make strings UTF-8 cannot carry: a 400 naming the first such field."""
+        where = lone_surrogate(self.model_dump(by_alias=True, exclude_none=True))
+        if where is not None:
+            raise bad_request(f"{where}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text", where)
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -148,7 +154,7 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str]
+    prompt: str | list  # one prompt: a string, or a list of one
     logprobs: int | None = None
     echo: bool = False
 
@@ -164,8 +170,26 @@ class CompletionRequest(SamplingRequest):
 
     def prompt_text(self) -> str:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if not all(isinstance(prompt, str) for prompt in prompts):
+            raise bad_request("prompt: expected text (token id prompts are not supported here)", "prompt")
         if len(prompts) != 1:
             raise bad_request(f"prompt: one prompt per request, got {len(prompts)}", "prompt")
         if not prompts[0]:
             raise bad_request("prompt: empty", "prompt")
         return prompts[0]
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path ("messages.0.content") of the first string in value that has a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict | list):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            where = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if where is not None:
+                return where
+    return None
