@@ -47,6 +47,8 @@ def test_engine_flags_are_every_engine_argument_with_its_default():
                              "--gpu-memory-utilization", "0.5"])
     assert given_engine_args(args) == {"max_model_len": 512, "enable_prefix_caching": False, "dtype": "float32",
                                        "gpu_memory_utilization": 0.5}  # only what was given, typed
+    args = serve.parse_args(["ckpt", "--block-size", "32", "--num-gpu-blocks-override", "100"])  # vLLM's names
+    assert given_engine_args(args) == {"kvcache_block_size": 32, "num_kvcache_blocks": 100}
 
 
 @pytest.fixture

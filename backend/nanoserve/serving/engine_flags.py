@@ -1,5 +1,6 @@
 """EngineConfig's fields as command-line flags: `max_model_len` -> `--max-model-len`, with the field's help
-text and default. Generated from the dataclass, so a new engine argument gets its flag without more code.
+text and default, and vLLM's name as well where it differs (`--block-size` for `--kvcache-block-size`). Generated
+from the dataclass, so a new engine argument gets its flag without more code.
 
 A flag left out stays out of the engine arguments (the engine's own default applies), so `None` is the
 argparse default and the help shows the engine's default instead.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from nanoserve.config import EngineConfig, coerce_engine_arg
+from nanoserve.serving.vllm_engine_args import RENAMED_VLLM_ARGS
 
 
 def flag(name: str) -> str:
@@ -22,12 +24,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help_text = field.metadata["help"]
         if "(default:" not in help_text:
             help_text += f" (default: {default})"
+        names = [flag(field.name), *(flag(vllm) for vllm, own in RENAMED_VLLM_ARGS.items() if own == field.name)]
         if "bool" in field.type:
-            group.add_argument(flag(field.name), dest=field.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(flag(field.name), dest=field.name, metavar=_metavar(field.type), default=None,
+            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
+        else:
+            group.add_argument(*names, dest=field.name, metavar=_metavar(field.type), default=None, help=help_text)
 
 
 def _metavar(kind: str) -> str:

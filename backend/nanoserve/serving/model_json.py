@@ -18,12 +18,11 @@ import os
 
 from nanoserve.config import EngineConfig
 from nanoserve.models.gguf import as_checkpoint_dir
-from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
+from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, RENAMED_VLLM_ARGS, VLLM_ENGINE_ARGS
 
 logger = logging.getLogger(__name__)
 PATH_ARGS = ("model", "tokenizer")
 MULTI_LORA_JSON = "multi_lora.json"
-RENAMED_VLLM_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 # Read by the backend, not the engine: true switches the vllm:* metrics off, as in vllm_backend.
 SERVING_ARGS = ("disable_log_stats",)
 
