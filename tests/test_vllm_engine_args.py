@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.config import EngineConfig
-from nanoserve.serving.model_json import (RENAMED_VLLM_ARGS, SERVING_ARGS, engine_args_of, load_engine_args,
-                                          reports_vllm_metrics)
+from nanoserve.config import VLLM_NAMES, EngineConfig
+from nanoserve.serving.model_json import SERVING_ARGS, engine_args_of, load_engine_args, reports_vllm_metrics
 from nanoserve.serving.preflight import ConfigError, check_model_json
 from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
@@ -18,7 +17,14 @@ OWN = {field.name for field in EngineConfig.engine_args()}
 # nanoserve's engine arguments that mean what vLLM's of the same name mean (docs/serving.md lists them)
 SHARED = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
           "enforce_eager", "tensor_parallel_size", "dtype", "seed", "tokenizer", "attention_backend"}
-VLLM_ONLY = sorted((VLLM_ENGINE_ARGS | OLDER_VLLM_ENGINE_ARGS) - OWN - set(RENAMED_VLLM_ARGS) - set(SERVING_ARGS))
+VLLM_ONLY = sorted((VLLM_ENGINE_ARGS | OLDER_VLLM_ENGINE_ARGS) - OWN - set(VLLM_NAMES) - set(SERVING_ARGS))
+
+
+def test_the_offline_api_takes_vllms_names_too(qwen3_dir):
+    config = EngineConfig.from_kwargs(str(qwen3_dir), block_size=32, num_gpu_blocks_override=64, device="cpu")
+    assert (config.kvcache_block_size, config.num_kvcache_blocks) == (32, 64)
+    with pytest.raises(ValueError, match="block_size: vLLM's name for kvcache_block_size"):
+        EngineConfig.from_kwargs(str(qwen3_dir), block_size=32, kvcache_block_size=16)
 
 
 def write_model_json(model_dir, args: dict):
@@ -29,7 +35,7 @@ def write_model_json(model_dir, args: dict):
 
 def test_the_names_both_engines_share_are_vllms():
     assert SHARED <= OWN & VLLM_ENGINE_ARGS
-    assert set(RENAMED_VLLM_ARGS) <= VLLM_ENGINE_ARGS and set(RENAMED_VLLM_ARGS.values()) <= OWN
+    assert set(VLLM_NAMES) <= VLLM_ENGINE_ARGS and set(VLLM_NAMES.values()) <= OWN
     assert {"disable_log_requests", "swap_space", "lora_extra_vocab_size"} <= OLDER_VLLM_ENGINE_ARGS
 
 
@@ -65,9 +71,9 @@ def test_a_name_neither_engine_knows_is_still_an_error(qwen3_dir, tmp_path):
 
 @settings(max_examples=50, deadline=None)
 @given(vllm_only=st.sets(st.sampled_from(VLLM_ONLY), max_size=6), own=st.sets(st.sampled_from(sorted(OWN))),
-       renamed=st.sets(st.sampled_from(sorted(RENAMED_VLLM_ARGS))))
+       renamed=st.sets(st.sampled_from(sorted(VLLM_NAMES))))
 def test_every_vllm_name_is_renamed_kept_or_ignored(vllm_only, own, renamed):
-    own -= {RENAMED_VLLM_ARGS[name] for name in renamed}  # giving both names is an error (above)
+    own -= {VLLM_NAMES[name] for name in renamed}  # giving both names is an error (above)
     model_json = {name: 1 for name in vllm_only | own | renamed}
     warnings = []
     handler = logging.Handler()
@@ -78,7 +84,7 @@ def test_every_vllm_name_is_renamed_kept_or_ignored(vllm_only, own, renamed):
         args = engine_args_of(model_json)
     finally:
         logger.removeHandler(handler)
-    assert set(args) == own | {RENAMED_VLLM_ARGS[name] for name in renamed}
+    assert set(args) == own | {VLLM_NAMES[name] for name in renamed}
     ignored = warnings[0].getMessage().rsplit(": ", 1)[1].split(", ") if warnings else []
     assert ignored == sorted(vllm_only)
 

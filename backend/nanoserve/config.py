@@ -133,11 +133,21 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **engine_args) -> "EngineConfig":
+        """engine_args by nanoserve's names, or vLLM's where they differ (VLLM_NAMES: block_size, ...)."""
+        for vllm_name, name in VLLM_NAMES.items():
+            if vllm_name in engine_args:
+                if name in engine_args:
+                    raise ValueError(f"{vllm_name}: vLLM's name for {name}, which is given too")
+                engine_args[name] = engine_args.pop(vllm_name)
         known = {f.name for f in cls.engine_args()}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **{k: coerce_engine_arg(k, v) for k, v in engine_args.items()})
+
+
+# vLLM's names for nanoserve's own engine arguments: LLM(...), model.json and `nanoserve serve` take either
+VLLM_NAMES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 
 
 def _checkpoint(name: str, path: str) -> str:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanoserve.config import EngineConfig, coerce_engine_arg
-from nanoserve.serving.vllm_engine_args import RENAMED_VLLM_ARGS
+from nanoserve.config import VLLM_NAMES, EngineConfig, coerce_engine_arg
 
 
 def flag(name: str) -> str:
@@ -24,7 +23,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help_text = field.metadata["help"]
         if "(default:" not in help_text:
             help_text += f" (default: {default})"
-        names = [flag(field.name), *(flag(vllm) for vllm, own in RENAMED_VLLM_ARGS.items() if own == field.name)]
+        names = [flag(field.name), *(flag(vllm) for vllm, own in VLLM_NAMES.items() if own == field.name)]
         if "bool" in field.type:
             group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)

@@ -16,9 +16,9 @@ import json
 import logging
 import os
 
-from nanoserve.config import EngineConfig
+from nanoserve.config import VLLM_NAMES, EngineConfig
 from nanoserve.models.gguf import as_checkpoint_dir
-from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, RENAMED_VLLM_ARGS, VLLM_ENGINE_ARGS
+from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
 logger = logging.getLogger(__name__)
 PATH_ARGS = ("model", "tokenizer")
@@ -39,7 +39,7 @@ def engine_args_of(model_json: dict) -> dict:
     own = {field.name for field in EngineConfig.engine_args()} | {"model"}
     args, ignored = {}, []
     for name, value in model_json.items():
-        new_name = RENAMED_VLLM_ARGS.get(name, name)
+        new_name = VLLM_NAMES.get(name, name)
         if new_name != name and new_name in model_json:
             raise ValueError(f"{name}: vLLM's name for {new_name}, which model.json gives too")
         if new_name in own or not _is_vllm_arg(name):

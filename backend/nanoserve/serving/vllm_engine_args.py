@@ -88,6 +88,3 @@ OLDER_VLLM_ENGINE_ARGS = frozenset((
     "typical_acceptance_sampler_posterior_alpha", "typical_acceptance_sampler_posterior_threshold",
     "use_v2_block_manager",
 ))
-
-# vLLM's names for nanoserve's own engine arguments: model.json and `nanoserve serve` take either
-RENAMED_VLLM_ARGS = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
