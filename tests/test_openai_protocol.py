@@ -68,6 +68,15 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(fields, param):
     CompletionRequest(model="m", prompt="emoji \U0001f600 é").check_utf8()  # one beyond U+FFFF is fine
 
 
+def test_the_surrogate_check_takes_any_depth_json_parses():
+    schema = "\ud800"
+    for _ in range(950):  # Python's JSON parser stops near 1,000 levels
+        schema = {"a": schema}
+    with pytest.raises(APIError) as error:
+        CompletionRequest(model="m", prompt="x", structured_outputs={"json": schema}).check_utf8()
+    assert error.value.param == "structured_outputs.json" + ".a" * 950
+
+
 def test_chat_template_and_a_bos_the_tokenizer_adds_anyway():
     tokenizer = build_tokenizer()
     assert render_chat(tokenizer, MESSAGES) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

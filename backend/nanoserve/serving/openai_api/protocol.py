@@ -179,17 +179,21 @@ class CompletionRequest(SamplingRequest):
         return prompts[0]
 
 
-def lone_surrogate(value, path: str = "") -> str | None:
-    """The path ("messages.0.content") of the first string in value that has a lone surrogate, else None."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict | list):
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            where = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
-            if where is not None:
-                return where
+def lone_surrogate(value) -> str | None:
+    """The path ("messages.0.content") of the first string in value that has a lone surrogate (for a dict's key, the
+    dict's path), else None. A loop, not recursion: a body nested close to the JSON parser's limit must not
+    overflow the stack here."""
+    pending = [("", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(item, dict | list):
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            children = [(f"{path}.{key}" if path else str(key), child) for key, child in pairs]
+            children += [(path, key) for key in item if isinstance(key, str)] if isinstance(item, dict) else []
+            pending += reversed(children)
     return None
