@@ -134,11 +134,7 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **engine_args) -> "EngineConfig":
         """engine_args by nanoserve's names, or vLLM's where they differ (VLLM_NAMES: block_size, ...)."""
-        for vllm_name, name in VLLM_NAMES.items():
-            if vllm_name in engine_args:
-                if name in engine_args:
-                    raise ValueError(f"{vllm_name}: vLLM's name for {name}, which is given too")
-                engine_args[name] = engine_args.pop(vllm_name)
+        engine_args = with_own_names(engine_args, "is given")
         known = {f.name for f in cls.engine_args()}
         unknown = sorted(set(engine_args) - known)
         if unknown:
@@ -148,6 +144,18 @@ class EngineConfig:
 
 # vLLM's names for nanoserve's own engine arguments: LLM(...), model.json and `nanoserve serve` take either
 VLLM_NAMES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+
+
+def with_own_names(args: dict, given_by: str) -> dict:
+    """args with vLLM's names (VLLM_NAMES) replaced by nanoserve's, in order; ValueError when both are there
+    ("block_size: vLLM's name for kvcache_block_size, which <given_by> too")."""
+    renamed = {}
+    for name, value in args.items():
+        own = VLLM_NAMES.get(name, name)
+        if own != name and own in args:
+            raise ValueError(f"{name}: vLLM's name for {own}, which {given_by} too")
+        renamed[own] = value
+    return renamed
 
 
 def _checkpoint(name: str, path: str) -> str:

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 
-from nanoserve.config import VLLM_NAMES, EngineConfig
+from nanoserve.config import EngineConfig, with_own_names
 from nanoserve.models.gguf import as_checkpoint_dir
 from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
@@ -38,12 +38,9 @@ def engine_args_of(model_json: dict) -> dict:
     engine's own check names them)."""
     own = {field.name for field in EngineConfig.engine_args()} | {"model"}
     args, ignored = {}, []
-    for name, value in model_json.items():
-        new_name = VLLM_NAMES.get(name, name)
-        if new_name != name and new_name in model_json:
-            raise ValueError(f"{name}: vLLM's name for {new_name}, which model.json gives too")
-        if new_name in own or not _is_vllm_arg(name):
-            args[new_name] = value
+    for name, value in with_own_names(model_json, "model.json gives").items():
+        if name in own or not _is_vllm_arg(name):
+            args[name] = value
         elif name not in SERVING_ARGS:
             ignored.append(name)
     if ignored:
