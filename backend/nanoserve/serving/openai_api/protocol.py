@@ -191,9 +191,13 @@ def lone_surrogate(value) -> str | None:
                 item.encode()
             except UnicodeEncodeError:
                 return path
-        elif isinstance(item, dict | list):
-            pairs = item.items() if isinstance(item, dict) else enumerate(item)
-            children = [(f"{path}.{key}" if path else str(key), child) for key, child in pairs]
-            children += [(path, key) for key in item if isinstance(key, str)] if isinstance(item, dict) else []
+        elif isinstance(item, dict):
+            children = [(path, key) for key in item] + [(_join(path, key), child) for key, child in item.items()]
             pending += reversed(children)
+        elif isinstance(item, list):
+            pending += reversed([(_join(path, index), child) for index, child in enumerate(item)])
     return None
+
+
+def _join(path: str, key) -> str:
+    return f"{path}.{key}" if path else str(key)
