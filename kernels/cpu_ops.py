@@ -4,7 +4,8 @@ add), rotary embedding and SiLU-and-mul, each one op where the plain-torch refer
 They are compiled for this machine's CPU on first use (torch.utils.cpp_extension with ninja and the system C++
 compiler, ~10 s), once per source, torch and CPU, into NANOSERVE_CACHE (default ~/.cache/nanoserve). Where they
 cannot be built, `cpu_op` returns None, after one warning, and the layers use the references.
-NANOSERVE_CPU_KERNELS=0 turns them off.
+NANOSERVE_CPU_KERNELS=0 turns them off. torch's ATEN_CPU_CAPABILITY (avx2, default) caps the instruction set they
+are built for, as it caps torch's own kernels: an AVX-512 machine can build and test what an AVX2-only one runs.
 """
 from __future__ import annotations
 
@@ -29,21 +30,36 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return set(next((line for line in f if line.startswith("flags")), "").split())
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return set()
+        return frozenset()
+
+
+ISAS = ("avx512", "avx2", "default")  # widest first
+ISA_FLAGS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma", "f16c"},
+             "default": set()}
+MARCH = {"avx512": "-march=x86-64-v4", "avx2": "-march=x86-64-v3", "default": "-march=x86-64"}
+
+
+def cpu_isa(cpu_flags: set[str] | None = None, capped: bool = True) -> str:
+    """The widest of ISAS that this CPU has and (if capped) torch's ATEN_CPU_CAPABILITY allows."""
+    cpu_flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() if capped else ""
+    allowed = ISAS[ISAS.index(cap):] if cap in ISAS else ISAS
+    return next(isa for isa in allowed if ISA_FLAGS[isa] <= cpu_flags)
 
 
 def _build_flags(cpu_flags: set[str]) -> list[str]:
-    """FLAGS plus the vector width of ATen's Vectorized<float> (at::vec) that this CPU runs: 512, 256 or scalar."""
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags:
-        return FLAGS + ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma"} <= cpu_flags:
-        return FLAGS + ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return FLAGS + ["-DCPU_CAPABILITY=DEFAULT"]
+    """FLAGS for the instruction set cpu_isa picks (this CPU's own, -march=native, unless capped), with the matching
+    vector width of ATen's Vectorized<float> (at::vec)."""
+    isa = cpu_isa(cpu_flags)
+    march = "-march=native" if isa == cpu_isa(cpu_flags, capped=False) else MARCH[isa]
+    return [flag if flag != "-march=native" else march for flag in FLAGS] + \
+        [f"-DCPU_CAPABILITY={isa.upper()}", f"-DCPU_CAPABILITY_{isa.upper()}"]
 
 
 def _ninja_on_path() -> None:

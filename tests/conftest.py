@@ -8,6 +8,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite's own cache (built kernels, converted GGUF files, the demo's model), never the user's: it would
+# overwrite their logs and files. NANOSERVE_TEST_CACHE moves it; servers and CLIs the tests start inherit it.
+os.environ["NANOSERVE_CACHE"] = os.environ.get("NANOSERVE_TEST_CACHE",
+                                               str(Path(__file__).resolve().parents[1] / ".cache" / "tests"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -188,7 +188,7 @@ def metrics(server, model: str, prefix: str = "nanoserve_") -> dict:
     return samples
 
 
-def metrics_when(server, model: str, condition, timeout: float = 30.0) -> dict:
+def metrics_when(server, model: str, condition, timeout: float = TIMEOUT) -> dict:
     """The model's metrics once condition(metrics) holds (asserted within timeout seconds): while requests run,
     the backend publishes them every PUBLISH_INTERVAL."""
     deadline = time.monotonic() + timeout
@@ -196,3 +196,11 @@ def metrics_when(server, model: str, condition, timeout: float = 30.0) -> dict:
         assert time.monotonic() < deadline, values
         time.sleep(0.05)
     return values
+
+
+def wait_until(condition, timeout: float = TIMEOUT) -> None:
+    """Returns once condition() holds; fails after timeout seconds, long enough for a busy machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

@@ -10,7 +10,8 @@ import urllib.error
 import urllib.request
 
 import pytest
-from serving_utils import BACKEND_MODEL, collect, http_post, metrics_when, open_stream, sse_events, stream
+from serving_utils import (BACKEND_MODEL, collect, http_post, metrics_when, open_stream, sse_events, stream,
+                           wait_until)
 from triton_server import running_server, tiny_repository
 
 from client.stream import first_sse_event, open_generate_stream
@@ -67,17 +68,6 @@ def model_ready(server) -> bool:
             return response.status == 200
     except urllib.error.HTTPError:
         return False
-
-
-def wait_until(condition, timeout=60.0):
-    deadline = threading.Event()
-    timer = threading.Timer(timeout, deadline.set)
-    timer.start()
-    try:
-        while not condition():
-            assert not deadline.wait(0.2), "condition not met in time"
-    finally:
-        timer.cancel()
 
 
 def stream_texts(server, bad=None) -> tuple[list[str], object]:

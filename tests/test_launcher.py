@@ -14,8 +14,8 @@ import pytest
 
 import nanoserve
 from nanoserve.serving import launcher
-from triton_server import (assert_nothing_left, child_pid, group_members, http_ready, kill_group, running_server,
-                           shm_regions)
+from triton_server import (LOAD_TIMEOUT, assert_nothing_left, child_pid, group_members, http_ready, kill_group,
+                           running_server, shm_regions)
 
 # A throw-away Python-based backend: reports where its interpreter found its packages.
 ECHO_BACKEND = '''
@@ -178,6 +178,16 @@ def test_tiny_model_is_built_once_with_the_default_weights(tmp_path, qwen3_dir):
         assert all(weights[name].equal(reference[name]) for name in reference)
 
 
+def test_the_suite_uses_its_own_cache():
+    """conftest points NANOSERVE_CACHE at the checkout's .cache/tests (or NANOSERVE_TEST_CACHE): built kernels,
+    converted GGUF files and `nanoserve serve`'s logs never land in the user's ~/.cache/nanoserve."""
+    from nanoserve.cache import default_cache_dir
+
+    assert default_cache_dir() != Path.home() / ".cache" / "nanoserve"
+    repo = Path(__file__).resolve().parents[1]
+    assert default_cache_dir() == Path(os.environ.get("NANOSERVE_TEST_CACHE", repo / ".cache" / "tests"))
+
+
 @pytest.mark.triton_server
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_serve_stops_on_signal(echo_repository, sig):
@@ -193,7 +203,7 @@ def test_cli_serve_stops_on_signal(echo_repository, sig):
     triton = None
     try:
         triton = child_pid(cli.pid)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + LOAD_TIMEOUT
         while not http_ready(http):
             assert cli.poll() is None and time.monotonic() < deadline, cli.stdout.read().decode()
             time.sleep(0.2)

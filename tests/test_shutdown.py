@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from serving_utils import wait_until
 from test_serving_request import ErrorPb, FakeClock, RecordingSender, parse, response_thread, text
 
 from nanoserve.serving.launcher import free_ports
@@ -44,19 +45,12 @@ def test_the_watch_sets_a_deadline_once_http_that_was_up_refuses_connections():
     assert watch.deadline is None and not watch.seen_up
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Live)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    wait_for(lambda: watch.seen_up)
+    wait_until(lambda: watch.seen_up)
     assert watch.deadline is None
     httpd.shutdown()
     httpd.server_close()
     watch._thread.join(30)
     assert watch.deadline == clock.now + 10.0 - MARGIN
-
-
-def wait_for(condition, timeout=30.0):
-    deadline = threading.Event()
-    threading.Timer(timeout, deadline.set).start()
-    while not condition():
-        assert not deadline.wait(0.05), "condition not met in time"
 
 
 def test_streams_end_with_unavailable_at_the_deadline():

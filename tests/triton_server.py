@@ -68,15 +68,22 @@ def assert_nothing_left(server: TritonServer) -> None:
     assert shm_regions(server.shm_prefix) == [], "shared memory regions left behind"
 
 
-def child_pid(parent: int, timeout: float = 30.0, exclude=()) -> int:
-    """A child process of parent (not one of exclude), once there is one."""
+def child_pid(parent: int, timeout: float = LOAD_TIMEOUT, exclude=()) -> int:
+    """A child process of parent (not one of exclude), once there is one. A parent that starts it late (a busy
+    machine slows its imports) is waited for as long as a model load; one that exits without it fails at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = [pid for pid, _, ppid, _ in processes() if ppid == parent and pid not in exclude]
+        children, alive = [], False
+        for pid, state, ppid, _ in processes():
+            alive |= pid == parent and state != "Z"
+            if ppid == parent and pid not in exclude:
+                children.append(pid)
         if children:
             return children[0]
+        if not alive:
+            raise RuntimeError(f"{parent} exited without starting a child")
         time.sleep(0.1)
-    raise TimeoutError(f"no child of {parent}")
+    raise TimeoutError(f"no child of {parent} in {timeout:.0f} s")
 
 
 def http_ready(http_port: int, path: str = "/v2/health/ready") -> bool:

@@ -7,7 +7,9 @@ A layer given LoRA weights (`lora`, layers/lora.py) adds the adapters' deltas of
 
 On the CPU, `pack_cpu_weights` gives each layer a copy of its weight in oneDNN's blocked layout, and the matmul
 runs in oneDNN: fp32 F.linear goes to MKL's sgemm, which on this project's CPUs (AMD, AVX-512) runs at half
-oneDNN's speed, and a weight reordered once spares each call the reorder.
+oneDNN's speed, and a weight reordered once spares each call the reorder. A bf16 weight is packed as bf16 where
+oneDNN has bf16 kernels for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and as float32 elsewhere (AVX2): there
+torch's own bf16 matmul runs 4-7x slower than the float32 one from 16 rows up (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanoserve.kernels.cpu_ops import cpu_isa
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -44,11 +47,20 @@ PACK_BATCH_SIZE = 64
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN holds and multiplies a weight of this dtype in, on this CPU."""
+    # a cap by ATEN_CPU_CAPABILITY (cpu_isa) makes an AVX-512 machine take the path of an AVX2-only one
+    capped = cpu_isa() != cpu_isa(capped=False)
+    if dtype == torch.bfloat16 and (capped or not torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.float32
+    return dtype
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [out, in] in oneDNN's layout for `linear`, or None where F.linear stays (not CPU, other dtypes)."""
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_SIZE)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(packed_dtype(weight.dtype)), PACK_BATCH_SIZE)
 
 
 # oneDNN builds and caches a primitive (and scratch memory) for every row count it sees, and the cache outlives
@@ -63,6 +75,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """F.linear(x, weight, bias), through the packed weight where there is one (x [T, in])."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if packed.dtype != x.dtype:  # a bf16 model on a CPU without oneDNN's bf16 kernels: its weights pack as float32
+        return linear(x.to(packed.dtype), weight, None if bias is None else bias.to(packed.dtype), packed).to(x.dtype)
     if x.shape[0] > PACKED_ROWS[-1]:
         return torch.cat([linear(piece, weight, bias, packed) for piece in x.split(PACKED_ROWS[-1])])
     rows = x.shape[0]
