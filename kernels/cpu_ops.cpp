@@ -32,10 +32,27 @@ inline int64_t grain_rows(int64_t row_numel) { return std::max<int64_t>(1, at::i
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+using Fp8 = c10::Float8_e4m3fn;  // an fp8 KV cache's elements (kv_cache_dtype="fp8")
+
+// the 256 values of an fp8 e4m3 byte, as float32: one table lookup per element instead of c10's bit arithmetic
+inline const float* fp8_values() {
+  static const std::vector<float> values = [] {
+    std::vector<float> all(256);
+    for (int bits = 0; bits < 256; ++bits) all[bits] = static_cast<float>(Fp8(bits, Fp8::from_bits()));
+    return all;
+  }();
+  return values.data();
+}
+
 template <typename T>
 inline Vec load_float(const T* x) {  // kWidth elements as float32
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(x);
+  } else if constexpr (std::is_same_v<T, Fp8>) {
+    const float* values = fp8_values();
+    float buf[kWidth];
+    for (int64_t i = 0; i < kWidth; ++i) buf[i] = values[x[i].x];
+    return Vec::loadu(buf);
   } else {
     Vec v;
     at::vec::load_to_float(x, v);
@@ -138,26 +155,28 @@ inline void for_each_piece(const T* cache, const PagedCache& layout, int64_t ctx
 }
 
 // One decode sequence: its single query row q [heads, head_dim] against its context of ctx tokens.
-// Scores for every head first (they fit in cache), then a softmax per head, then P @ V.
-template <typename T>
-void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
-                const PagedCache& cache, int64_t heads, int64_t ctx, float scale, std::vector<float>& work) {
+// Scores for every head first (they fit in cache), then a softmax per head, then P @ V. The cache holds T, or fp8
+// (C) whose values are k_scale, v_scale times what it holds: k_scale joins the softmax scale, v_scale the 1 / sum.
+template <typename T, typename C>
+void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stride, const C* k_cache, const C* v_cache,
+                const PagedCache& cache, int64_t heads, int64_t ctx, float scale, float v_scale,
+                std::vector<float>& work) {
   const int64_t d = cache.head_dim, group = heads / cache.kv_heads;
   work.assign(heads * d + heads * ctx + heads * d + heads, 0.f);
   float *q32 = work.data(), *scores = q32 + heads * d, *acc = scores + heads * ctx, *inv_sum = acc + heads * d;
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t i = 0; i < d; ++i) q32[h * d + i] = f32(q[h * q_head_stride + i]) * scale;
   const int64_t token_numel = cache.kv_heads * d;
-  for_each_piece(k_cache, cache, ctx, [&](int64_t t0, int64_t n, const T* k) {
+  for_each_piece(k_cache, cache, ctx, [&](int64_t t0, int64_t n, const C* k) {
     for (int64_t t = 0; t < n; ++t)
       for (int64_t h = 0; h < heads; ++h)
         scores[h * ctx + t0 + t] = dot(q32 + h * d, k + t * token_numel + h / group * d, d);
   });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * ctx;
-    inv_sum[h] = 1.f / exp_and_sum(s, ctx, max_of(s, ctx));
+    inv_sum[h] = v_scale / exp_and_sum(s, ctx, max_of(s, ctx));
   }
-  for_each_piece(v_cache, cache, ctx, [&](int64_t t0, int64_t n, const T* v) {
+  for_each_piece(v_cache, cache, ctx, [&](int64_t t0, int64_t n, const C* v) {
     for (int64_t h = 0; h < heads; ++h)
       add_weighted_rows(acc + h * d, scores + h * ctx + t0, v + h / group * d, token_numel, n, d);
   });
@@ -167,10 +186,10 @@ void decode_one(T* out, int64_t out_head_stride, const T* q, int64_t q_head_stri
 
 // Each decode row in `decodes` (batch indices, longest first), each to the next free thread: the rows' lengths
 // differ by 10x and more.
-template <typename T>
+template <typename T, typename C>
 void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& tables, const int64_t* start, const int64_t* len,
-                 const std::vector<int64_t>& decodes, float scale) {
+                 const std::vector<int64_t>& decodes, float scale, float v_scale) {
   const int64_t n = decodes.size();
 #pragma omp parallel num_threads(at::get_num_threads()) if (n > 1)
   {
@@ -180,8 +199,9 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
       const int64_t b = decodes[i], row = start[b];
       const PagedCache cache{k_cache.size(1), k_cache.size(2), k_cache.size(3),
                              tables.data_ptr<int32_t>() + b * tables.size(1)};
-      decode_one<T>(out.data_ptr<T>() + row * out.stride(0), out.stride(1), q.data_ptr<T>() + row * q.stride(0),
-                    q.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), cache, q.size(1), len[b], scale, work);
+      decode_one<T, C>(out.data_ptr<T>() + row * out.stride(0), out.stride(1), q.data_ptr<T>() + row * q.stride(0),
+                       q.stride(1), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(), cache, q.size(1), len[b], scale,
+                       v_scale, work);
     }
   }
 }
@@ -189,11 +209,13 @@ void decode_rows(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
 // out[query_start_loc[b]] for every sequence b with one query token (the others, prefills, are left alone).
 void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                            double k_scale, double v_scale) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1 &&
               out.scalar_type() == q.scalar_type(), "q, out: [tokens, heads, head_dim], the last dim contiguous");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "k_cache, v_cache: contiguous, of q's dtype");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.scalar_type() == k_cache.scalar_type() &&
+              (fp8 || k_cache.scalar_type() == q.scalar_type()), "k_cache, v_cache: contiguous, of q's dtype or fp8");
   const auto tables = block_tables.to(at::kInt).contiguous();
   const auto starts = query_start_loc.to(at::kLong).contiguous();
   const auto lens = seq_lens.to(at::kLong).contiguous();
@@ -210,8 +232,12 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     decodes.push_back(b);
   }
   std::sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
+  const float q_scale = static_cast<float>(scale * k_scale), out_scale = static_cast<float>(v_scale);
   DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_rows<scalar_t>(out, q, k_cache, v_cache, tables, start, len, decodes, static_cast<float>(scale));
+    if (fp8)
+      decode_rows<scalar_t, Fp8>(out, q, k_cache, v_cache, tables, start, len, decodes, q_scale, out_scale);
+    else
+      decode_rows<scalar_t, scalar_t>(out, q, k_cache, v_cache, tables, start, len, decodes, q_scale, out_scale);
   });
 }
 
@@ -337,7 +363,8 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale) -> ()", &paged_decode_attention);
+        "Tensor query_start_loc, Tensor seq_lens, float scale, float k_scale=1.0, float v_scale=1.0) -> ()",
+        &paged_decode_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &fused_add_rms_norm);

@@ -24,7 +24,7 @@ MAX_SPLITS = 16
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale_log2, num_heads,
+    scale_log2, v_scale, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -74,7 +74,7 @@ def _decode_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (padded row): zeros
+        out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # seq_len 0 (padded row): zeros
         tl.store(out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
@@ -86,7 +86,7 @@ def _decode_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, num_heads, stride_ot, stride_oh,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, v_scale, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     USE_QSL: tl.constexpr,
 ):
@@ -108,7 +108,7 @@ def _reduce_kernel(
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: seq_len 0
     w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
     denom = tl.sum(w * sums, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)
+    out = tl.sum(w[:, None] * acc, 0) * (v_scale / tl.where(denom > 0, denom, 1.0))
     tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -129,10 +129,11 @@ def default_num_splits(batch: int, num_kv_heads: int, device: torch.device, max_
 
 
 def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
-                  query_start_loc=None) -> None:
+                  query_start_loc=None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Decode attention for `batch = len(seq_lens)` sequences. With query_start_loc, q/out are varlen
     token batches and only sequences with exactly one new token are handled (their row is
-    query_start_loc[b]); without it, row b of q/out belongs to sequence b."""
+    query_start_loc[b]); without it, row b of q/out belongs to sequence b. k_scale joins the softmax scale and
+    v_scale the final 1 / sum (an fp8 cache's scales, reference.py)."""
     batch = seq_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -150,7 +151,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_s
         part_m = part_l = part_acc = out  # unused
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, qsl, out, part_m, part_l, part_acc,
-        scale * LOG2E, num_heads,
+        scale * k_scale * LOG2E, v_scale, num_heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -159,7 +160,7 @@ def launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_s
     )
     if num_splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            out, part_m, part_l, part_acc, qsl, num_heads, out.stride(0), out.stride(1),
+            out, part_m, part_l, part_acc, qsl, v_scale, num_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits), USE_QSL=use_qsl, num_warps=4,
         )
@@ -178,7 +179,8 @@ def check_paged_args(q, k_cache, v_cache, out) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           num_splits: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, *, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence, q [batch, num_heads, head_dim] (mirrors reference.paged_decode_ref).
     Rows with seq_len 0 (CUDA-graph padding) give zeros and read no K/V or block table."""
     if out is None:
@@ -186,5 +188,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_paged_args(q, k_cache, v_cache, out)
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[2], q.device)
-    launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits)
+    launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits, k_scale=k_scale,
+                  v_scale=v_scale)
     return out

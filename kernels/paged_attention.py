@@ -16,8 +16,10 @@ from .prefill_attention import launch_prefill
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, max_seq_len: int | None = None,
-                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [num_tokens, num_heads, head_dim] -> out of the same shape; the cache already holds the new K/V.
+                    num_splits: int | None = None, out: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim] -> out of the same shape; the cache already holds the new K/V (an fp8
+    cache: K / k_scale and V / v_scale, reference.py).
 
     Optional hints (from the attention metadata, never required): max_query_len == 1 skips the prefill
     launch; max_seq_len caps the number of decode splits. num_splits forces the decode split count.
@@ -32,7 +34,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = default_num_splits(batch, k_cache.shape[2], q.device, max_seq_len)
     launch_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, num_splits,
-                  query_start_loc=query_start_loc)
+                  query_start_loc=query_start_loc, k_scale=k_scale, v_scale=v_scale)
     if max_query_len is None or max_query_len > 1:
-        launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out)
+        launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out, k_scale, v_scale)
     return out

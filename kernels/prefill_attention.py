@@ -59,7 +59,7 @@ def _find_sequence(qsl_ptr, tile_id, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    scale_log2, num_seqs,
+    scale_log2, v_scale, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cb, stride_cs, stride_ch,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -101,12 +101,13 @@ def _prefill_kernel(
                                 ctx, dims, stride_cb, stride_cs, stride_ch, scale_log2,
                                 HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, PRECISION)
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-def launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out) -> None:
+def launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_tokens, num_heads, head_dim = q.shape
     batch = seq_lens.shape[0]
     if batch == 0 or num_tokens == 0:
@@ -114,7 +115,7 @@ def launch_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
     grid = (num_heads, num_tokens // BLOCK_M + batch)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2E, batch,
+        scale * k_scale * LOG2E, v_scale, batch,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim,

@@ -3,25 +3,43 @@ torch backend (torch_attention.py) are tested against, and the torch backend's p
 
 KV cache layout (per layer): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 A token's slot is block_id * block_size + offset; slot -1 marks a padded token (not stored).
+An fp8 cache (float8_e4m3fn, kv_cache_dtype="fp8") holds k / k_scale and v / v_scale, saturated at ±448: each
+layer's two scales, as vLLM keeps them (1.0 unless set). Every reader dequantizes as it loads.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: x itself in the cache's dtype, or x / scale in fp8 (saturating: a plain cast
+    turns what exceeds ±448 into NaN)."""
+    if cache_dtype != FP8:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What the cache's x stands for, in dtype."""
+    return (x.float() * scale).to(dtype) if x.dtype == FP8 else x.to(dtype)
+
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write k, v [num_tokens, num_kv_heads, head_dim] into the paged cache at slot_mapping [num_tokens]."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache(k[valid], k_cache.dtype, k_scale)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(v[valid], v_cache.dtype, v_scale)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of q [num_tokens, num_heads, head_dim] over the paged cache (which already holds
     the new tokens' K/V). Sequence b owns q rows query_start_loc[b]:query_start_loc[b+1], the last rows
     of its seq_lens[b] positions. Works for prefill (with a cached prefix), chunked prefill and decode."""
@@ -29,12 +47,12 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     starts = query_start_loc[:-1].tolist()
     seq_lens_list = seq_lens.tolist()
-    decode_attention_ref(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    decode_attention_ref(out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale, v_scale)
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
         start, ctx = starts[b], seq_lens_list[b]
-        k, v = _gather_context(k_cache, v_cache, block_tables[b], ctx)
+        k, v = _gather_context(k_cache, v_cache, block_tables[b], ctx, q.dtype, k_scale, v_scale)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [q_len, ctx]
         out[start:start + q_len] = _sdpa(q[start:start + q_len].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -44,7 +62,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def decode_attention_ref(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                         scale: float) -> None:
+                         scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """out's rows of the sequences with one query token (decodes): what cpu_ops.cpp's paged_decode_attention
     computes. The others are left alone."""
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
@@ -52,7 +70,8 @@ def decode_attention_ref(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tens
     for group in _similar_lengths(decode_rows, seq_lens.tolist()):
         rows = torch.tensor(group, device=q.device)
         token_idx = query_start_loc[:-1][rows].long()
-        out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+        out[token_idx] = paged_decode_ref(q[token_idx], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale,
+                                          k_scale, v_scale)
 
 
 def _similar_lengths(rows: list[int], seq_lens: list[int], max_pad: float = 1.5) -> list[list[int]]:
@@ -69,7 +88,7 @@ def _similar_lengths(rows: list[int], seq_lens: list[int], max_pad: float = 1.5)
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """One query token per sequence, q [batch, num_heads, head_dim], batched over padded contexts."""
     block_size = k_cache.shape[1]
     max_len = int(seq_lens.max())
@@ -78,16 +97,18 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # index_select copies whole blocks: ~2x faster on CPU than advanced indexing with a 2-D index
     k = k_cache.index_select(0, tables).view(len(q), -1, *k_cache.shape[2:])[:, :max_len]
     v = v_cache.index_select(0, tables).view(len(q), -1, *v_cache.shape[2:])[:, :max_len]
+    k, v = from_cache(k, q.dtype, k_scale), from_cache(v, q.dtype, v_scale)
     mask = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [batch, max_len]
     return _sdpa(q.unsqueeze(1), k, v, mask[:, None, None, :], scale)[:, 0]
 
 
-def _gather_context(k_cache, v_cache, block_table, ctx):
+def _gather_context(k_cache, v_cache, block_table, ctx, dtype, k_scale=1.0, v_scale=1.0):
+    """The first ctx tokens' K/V of a sequence, in dtype."""
     block_size = k_cache.shape[1]
     blocks = block_table[:-(-ctx // block_size)].long()
     k = k_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
     v = v_cache.index_select(0, blocks).flatten(0, 1)[:ctx]
-    return k, v
+    return from_cache(k, dtype, k_scale), from_cache(v, dtype, v_scale)
 
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):

@@ -1,7 +1,7 @@
 """The `attention_backend="torch"` implementation. The step's host work (whether any row decodes, each prefill's
 mask) is planned once for all layers. Decode rows (one query token) go through the CPU kernel
-paged_decode_attention (cpu_ops.cpp), which reads each row's blocks in place; where it does not run (CUDA tensors,
-no compiler, a cache dtype other than q's) through reference.decode_attention_ref. Prefill rows go through SDPA,
+paged_decode_attention (cpu_ops.cpp), which reads each row's blocks in place (16-bit, float32 or fp8); where it does
+not run (CUDA tensors, no compiler) through reference.decode_attention_ref. Prefill rows go through SDPA,
 over their new K/V or, with a cached prefix or an earlier chunk, over their context gathered from the cache.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .cpu_ops import cpu_op
-from .reference import _gather_context, _sdpa, decode_attention_ref, store_kvcache_ref
+from .reference import FP8, _gather_context, _sdpa, decode_attention_ref, store_kvcache_ref, to_cache
 
 
 @dataclass
@@ -53,30 +53,36 @@ def _prefill_seq(seq: int, start: int, q_len: int, ctx: int, device) -> PrefillS
 
 
 def store_kvcache_planned(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          plan: AttentionPlan) -> None:
+                          plan: AttentionPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """store_kvcache_ref without the boolean-mask copies when no token is padded."""
     if not plan.all_slots_valid:
-        return store_kvcache_ref(k, v, k_cache, v_cache, plan.slot_mapping)
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
+        return store_kvcache_ref(k, v, k_cache, v_cache, plan.slot_mapping, k_scale, v_scale)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x, cache = to_cache(x, cache.dtype, scale), cache.view(-1, *cache.shape[2:])
+        if cache.dtype == FP8:  # index_copy_ has no fp8 kernel: copy the bytes
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        cache.index_copy_(0, plan.slot_mapping, x)
 
 
 def paged_attention_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                            v_cache: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+                            v_cache: torch.Tensor, plan: AttentionPlan, scale: float, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention_ref from a precomputed plan. k, v are this step's new K/V (already in the cache):
-    a prefill with no cached prefix attends over them directly instead of gathering them back."""
+    a prefill with no cached prefix attends over them directly instead of gathering them back (not from an fp8
+    cache: every token must see the K/V that later steps will read)."""
     out = torch.empty_like(q)
     if plan.has_decode:
-        kernel = cpu_op("paged_decode_attention") if q.is_cpu and k_cache.dtype == q.dtype else None
+        kernel = cpu_op("paged_decode_attention") if q.is_cpu and k_cache.dtype in (q.dtype, FP8) else None
         decode = kernel or decode_attention_ref
-        decode(out, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens, scale)
+        decode(out, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens, scale,
+               k_scale, v_scale)
     fresh_ok = k.dtype == k_cache.dtype
     for p in plan.prefill:
         rows = slice(p.start, p.start + p.q_len)
         if p.mask is None and fresh_ok:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = _gather_context(k_cache, v_cache, plan.block_tables[p.seq], p.ctx)
+            kp, vp = _gather_context(k_cache, v_cache, plan.block_tables[p.seq], p.ctx, q.dtype, k_scale, v_scale)
         out[rows] = _sdpa(q[rows].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), p.mask, scale,
                           is_causal=p.mask is None)[0]
     return out

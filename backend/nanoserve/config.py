@@ -12,6 +12,7 @@ from transformers import AutoConfig
 from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -45,6 +46,8 @@ class EngineConfig:
                                     "(default: cuda when available, else cpu)")
     attention_backend: str | None = _arg(None, f"one of {', '.join(ATTENTION_BACKENDS)} "
                                                "(default: triton on cuda, torch on cpu)")
+    kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (one byte "
+                                       "per value with per-layer scales: twice the blocks of a 16-bit cache)")
     seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")
@@ -70,6 +73,11 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {sorted(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
+            raise ValueError("kv_cache_dtype: an fp8 cache needs attention_backend 'triton' or 'torch' "
+                             "(flash-attn reads no fp8 cache)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kvcache_block_size", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -125,6 +133,10 @@ class EngineConfig:
         if self.device_type == "cpu":
             return torch.float32
         return getattr(self.hf_config, "torch_dtype", None) or torch.bfloat16
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @classmethod
     def engine_args(cls) -> list:

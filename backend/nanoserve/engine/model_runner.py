@@ -74,6 +74,7 @@ def _default_dtype(dtype: torch.dtype):
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, eos_token_ids=()):
         self.config, self.device, self.dtype = config, device, config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype
         self.block_size = config.kvcache_block_size
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
@@ -97,7 +98,7 @@ class ModelRunner:
     def init_kv_cache(self) -> int:
         """Allocate the KV cache (and capture CUDA graphs); returns its number of blocks. Every rank calls it
         at once: they agree on the smallest count."""
-        block_bytes = int(np.prod(self._kv_shape(1))) * self.dtype.itemsize
+        block_bytes = int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None:
             if self.device.type == "cpu":
@@ -111,7 +112,7 @@ class ModelRunner:
         if num_blocks <= 0:
             raise ValueError(f"no memory left for the KV cache (one block needs {block_bytes} bytes): raise "
                              "gpu_memory_utilization / cpu_kvcache_space_gib, or lower max_num_batched_tokens")
-        self._bind_kv_cache(torch.zeros(self._kv_shape(num_blocks), dtype=self.dtype, device=self.device))
+        self._bind_kv_cache(torch.zeros(self._kv_shape(num_blocks), dtype=self.kv_dtype, device=self.device))
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.capturable:
             c = self.config
             self.graphs = CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq,
@@ -150,7 +151,7 @@ class ModelRunner:
         seq_len = min(c.max_model_len, c.max_num_batched_tokens)
         num_seqs = max(1, min(c.max_num_seqs, c.max_num_batched_tokens // seq_len))
         blocks = -(-seq_len // self.block_size)
-        self._bind_kv_cache(torch.zeros(self._kv_shape(num_seqs * blocks), dtype=self.dtype, device=self.device))
+        self._bind_kv_cache(torch.zeros(self._kv_shape(num_seqs * blocks), dtype=self.kv_dtype, device=self.device))
         scratch_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
         batch = InputBatch(num_seqs, seq_len, self.block_size)
         out = SchedulerOutput(new_seqs=[NewSequence(f"warmup-{i}", [0] * seq_len, seq_len, SamplingParams(),

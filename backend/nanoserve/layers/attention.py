@@ -39,9 +39,9 @@ class TorchBackend:
     def build(self, batch: AttentionBatch) -> AttentionPlan:
         return plan_paged_attention(batch.slot_mapping, batch.block_tables, batch.query_start_loc, batch.seq_lens)
 
-    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, scale: float) -> torch.Tensor:
-        store_kvcache_planned(k, v, k_cache, v_cache, plan)
-        return paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale)
+    def forward(self, q, k, v, k_cache, v_cache, plan: AttentionPlan, scale: float, kv_scales=(1.0, 1.0)):
+        store_kvcache_planned(k, v, k_cache, v_cache, plan, *kv_scales)
+        return paged_attention_planned(q, k, v, k_cache, v_cache, plan, scale, *kv_scales)
 
 
 class TritonBackend:
@@ -58,12 +58,12 @@ class TritonBackend:
     def build(self, batch: AttentionBatch) -> AttentionBatch:
         return batch
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float) -> torch.Tensor:
-        self.ops.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, batch: AttentionBatch, scale: float, kv_scales=(1.0, 1.0)):
+        self.ops.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping, *kv_scales)
         # the hints let a decode-only step skip the prefill launch and cap the decode split-K
         return self.ops.paged_attention(q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                                         batch.seq_lens, scale, max_query_len=batch.max_query_len,
-                                        max_seq_len=batch.max_seq_len)
+                                        max_seq_len=batch.max_seq_len, k_scale=kv_scales[0], v_scale=kv_scales[1])
 
 
 @dataclass
@@ -89,7 +89,8 @@ class FlashAttnBackend:
         cu_seqlens_k = None if batch.is_decode_only else F.pad(batch.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return FlashAttnMetadata(batch, cu_seqlens_k)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: FlashAttnMetadata, scale: float, kv_scales=(1.0, 1.0)):
+        """(kv_scales: always 1.0, the config allows no fp8 cache with flash_attn)"""
         batch = meta.batch
         self.store(k, v, k_cache, v_cache, batch.slot_mapping)
         if meta.cu_seqlens_k is None:
@@ -112,14 +113,16 @@ def make_backend(name: str) -> AttentionBackend:
 
 class Attention(nn.Module):
     """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] -> [T, heads * head_dim]. The model runner
-    binds `k_cache`/`v_cache` ([num_blocks, block_size, kv_heads, head_dim]) before the first forward."""
+    binds `k_cache`/`v_cache` ([num_blocks, block_size, kv_heads, head_dim]) before the first forward.
+    kv_scales: the layer's K and V scales of an fp8 cache (kernels/reference.py), 1.0 as vLLM's default."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.backend = backend
         self.k_cache = self.v_cache = torch.empty(0)
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata) -> torch.Tensor:
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale)
+        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, attn_metadata, self.scale, self.kv_scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
