@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# nanoserve's GPU check: every GPU path runs and equals its reference, in one command (issue 32).
+#
+#   scripts/gpu_check.sh --download-wheels .whl     # beforehand, where pip reaches PyPI (scripts/gpu_wheels.txt)
+#   scripts/gpu_check.sh --out DIR [--wheels .whl]  # on the GPU machine (Python 3.12, torch + CUDA, triton,
+#                                                   # transformers and pytest installed; no internet)
+#   scripts/gpu_check.sh --out DIR --dry-run        # anywhere: the steps, their order, their test selections
+#   scripts/gpu_check.sh --out DIR --device cpu     # the same test steps on the CPU (interpreted kernels)
+#
+# Steps, in order, each bounded in time and printing one summary line (scripts/gpu_check.py holds the list):
+#   install            the wheels' packages the machine lacks, then nanoserve without its CPU-only pins   45 s
+#   kernels            Triton kernels in bf16 and fp16 against kernels/reference.py, compiled           100 s
+#   engine-triton-graphs, engine-triton-eager, engine-torch-eager
+#                      the engine equal to HF greedy (CUDA-graph capture, replay, the fallback past the
+#                      largest bucket, a batch whose size changes every step)                        3 x 55 s
+#   features           prefix caching, chunked prefill, preemption, n, LoRA (Triton kernel), structured
+#                      outputs, prompt logprobs, on CUDA                                                  90 s
+#   bench              a 60-second smoke of client/bench_gpu.py                                          80 s
+# The bounds add up to 8 minutes. Without CUDA the script runs in dry mode (tests/test_gpu_check.py).
+# It writes DIR/gpu_check.log, DIR/gpu_check.json (status, device, versions, each step's command, status,
+# seconds and test counts, and the failed tests' ids) and DIR/bench/bench_gpu.json; exit status 0 when all passed.
+#
+# Estimated time on an H100/H200: about 4 minutes, from the CPU run of the same steps (`--device cpu`, 2 busy
+# AMD cores; docs/benchmarks.md "GPU check" gives the per-step figures and the scaling).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python3 scripts/gpu_check.py "$@"
