@@ -26,6 +26,7 @@ WHEELS_LIST = REPO / "scripts" / "gpu_wheels.txt"
 WHEEL_PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
                    "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"]
 CARRY_LIMIT = 64 * 2 ** 20  # what one device call carries: the working tree and the wheels together
+CPU_SLOWDOWN = 20  # --device cpu: the bounds are the GPU's times this (the interpreter is that much slower)
 
 # (pytest files, -k selection) of each test step; the engine step runs once per ENGINE_CONFIGS entry
 KERNEL_TESTS = (["tests/test_kernels_elementwise.py", "tests/test_kernels_attention.py", "tests/test_kernels_lora.py",
@@ -70,19 +71,21 @@ def pytest_step(name: str, title: str, timeout_s: int, tests: tuple, env: dict, 
 def make_steps(args, junit: Path) -> list[Step]:
     """Every step, in order; their timeouts add up to the 8 minutes the whole check may take on a GPU."""
     device = "cpu" if args.device == "cpu" else "cuda"
+    bound = CPU_SLOWDOWN if device == "cpu" else 1
     env = {"NANOSERVE_TEST_DEVICE": device, "HF_HUB_OFFLINE": "1"}
     steps = [Step("install", "nanoserve and the wheels it needs, without its CPU-only pins", 45,
                   install_command(args.wheels))] if device == "cuda" else []
     steps.append(pytest_step("kernels", "Triton kernels in bf16 and fp16 against kernels/reference.py, compiled",
-                             100, KERNEL_TESTS, env, junit))
+                             100 * bound, KERNEL_TESTS, env, junit))
     for config, engine_args in ENGINE_CONFIGS.items():
-        steps.append(pytest_step(f"engine-{config}", f"the engine equal to HF greedy, {engine_args}", 55,
+        steps.append(pytest_step(f"engine-{config}", f"the engine equal to HF greedy, {engine_args}", 55 * bound,
                                  ENGINE_TESTS, {**env, "NANOSERVE_TEST_ENGINE_ARGS": engine_args}, junit))
     steps.append(pytest_step("features", "prefix caching, chunked prefill, preemption, n, LoRA, structured "
-                             "outputs, prompt logprobs", 90, FEATURE_TESTS, env, junit))
+                             "outputs, prompt logprobs", 90 * bound, FEATURE_TESTS, env, junit))
     bench = [sys.executable, "client/bench_gpu.py", "--out", str(Path(args.out) / "bench")]
     bench += ["--budget-s", "60"] if device == "cuda" else ["--dry-run"]
-    steps.append(Step("bench", "a 60-second smoke of client/bench_gpu.py", 80, bench, {"HF_HUB_OFFLINE": "1"}))
+    steps.append(Step("bench", "a 60-second smoke of client/bench_gpu.py", 80 * bound, bench,
+                      {"HF_HUB_OFFLINE": "1"}))
     return steps
 
 
