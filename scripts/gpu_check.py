@@ -35,6 +35,9 @@ ENGINE_TESTS = (["tests/test_llm.py", "tests/test_model_runner.py", "tests/test_
                 "greedy_matches_hf or independent_of_batch or cumulative_logprob or batched_prefill_then_decode "
                 "or mixed_prefill_chunks or execute_samples or triton_kernels_match or graph_replay_pads "
                 "or replay_matches_hf or eager_fallbacks or never_syncs or engine_graphs")
+# every section of client/bench_gpu.py once, at small sizes (issue 33's run measures at full size)
+SMOKE_ARGS = ["--budget-s", "60", "--decode-batches", "8", "--idle-batches", "8", "--idle-steps", "10", "--iters", "5",
+              "--hf-subset", "4"]
 ENGINE_CONFIGS = {"triton-graphs": "attention_backend=triton,enforce_eager=false",
                   "triton-eager": "attention_backend=triton,enforce_eager=true",
                   "torch-eager": "attention_backend=torch"}
@@ -76,15 +79,15 @@ def make_steps(args, junit: Path) -> list[Step]:
     steps = [Step("install", "nanoserve and the wheels it needs, without its CPU-only pins", 45,
                   install_command(args.wheels))] if device == "cuda" else []
     steps.append(pytest_step("kernels", "Triton kernels in bf16 and fp16 against kernels/reference.py, compiled",
-                             100 * bound, KERNEL_TESTS, env, junit))
+                             90 * bound, KERNEL_TESTS, env, junit))
     for config, engine_args in ENGINE_CONFIGS.items():
         steps.append(pytest_step(f"engine-{config}", f"the engine equal to HF greedy, {engine_args}", 55 * bound,
                                  ENGINE_TESTS, {**env, "NANOSERVE_TEST_ENGINE_ARGS": engine_args}, junit))
     steps.append(pytest_step("features", "prefix caching, chunked prefill, preemption, n, LoRA, structured "
                              "outputs, prompt logprobs", 90 * bound, FEATURE_TESTS, env, junit))
     bench = [sys.executable, "client/bench_gpu.py", "--out", str(Path(args.out) / "bench")]
-    bench += ["--budget-s", "60"] if device == "cuda" else ["--dry-run"]
-    steps.append(Step("bench", "a 60-second smoke of client/bench_gpu.py", 80 * bound, bench,
+    bench += SMOKE_ARGS if device == "cuda" else ["--dry-run"]
+    steps.append(Step("bench", "a 60-second smoke of client/bench_gpu.py", 90 * bound, bench,
                       {"HF_HUB_OFFLINE": "1"}))
     return steps
 

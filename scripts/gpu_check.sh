@@ -9,13 +9,13 @@
 #
 # Steps, in order, each bounded in time and printing one summary line (scripts/gpu_check.py holds the list):
 #   install            the wheels' packages the machine lacks, then nanoserve without its CPU-only pins   45 s
-#   kernels            Triton kernels in bf16 and fp16 against kernels/reference.py, compiled           100 s
+#   kernels            Triton kernels in bf16 and fp16 against kernels/reference.py, compiled            90 s
 #   engine-triton-graphs, engine-triton-eager, engine-torch-eager
 #                      the engine equal to HF greedy (CUDA-graph capture, replay, the fallback past the
 #                      largest bucket, a batch whose size changes every step)                        3 x 55 s
 #   features           prefix caching, chunked prefill, preemption, n, LoRA (Triton kernel), structured
 #                      outputs, prompt logprobs, on CUDA                                                  90 s
-#   bench              a 60-second smoke of client/bench_gpu.py                                          80 s
+#   bench              a 60-second smoke of client/bench_gpu.py (every section, small sizes)            90 s
 # The bounds add up to 8 minutes. Without CUDA the script runs in dry mode (tests/test_gpu_check.py).
 # It writes DIR/gpu_check.log, DIR/gpu_check.json (status, device, versions, each step's command, status,
 # seconds and test counts, and the failed tests' ids) and DIR/bench/bench_gpu.json; exit status 0 when all passed.

@@ -48,8 +48,13 @@ def test_engine_steps_set_each_configuration():
     steps = {s.name: s for s in gpu_check.make_steps(args, Path("/tmp"))}
     assert steps["engine-torch-eager"].env["NANOSERVE_TEST_ENGINE_ARGS"] == "attention_backend=torch"
     assert "enforce_eager=false" in steps["engine-triton-graphs"].env["NANOSERVE_TEST_ENGINE_ARGS"]
-    assert steps["bench"].argv[1:] == ["client/bench_gpu.py", "--out", str(Path("unused") / "bench"),
-                                       "--budget-s", "60"]
+    assert steps["bench"].argv[1:5] == ["client/bench_gpu.py", "--out", str(Path("unused") / "bench"),
+                                        "--budget-s"]
+    bench_args = steps["bench"].argv[2:]
+    sys.path.insert(0, str(REPO / "client"))
+    import bench_gpu
+
+    assert bench_gpu.parse_args(bench_args).budget_s == 60  # the smoke's arguments are bench_gpu.py's
     cpu = {s.name for s in gpu_check.make_steps(gpu_check.parse_args(["--out", "x", "--device", "cpu"]), Path("/"))}
     assert "install" not in cpu and "kernels" in cpu
 
