@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import signal
@@ -64,10 +65,15 @@ class Step:
     failures: list[str] = field(default_factory=list)
 
 
-def pytest_step(name: str, title: str, timeout_s: int, tests: tuple, env: dict, junit: Path) -> Step:
+def pytest_step(name: str, title: str, timeout_s: int, tests: tuple, env: dict, junit: Path,
+                workers: int = 0) -> Step:
+    """workers > 0: that many pytest-xdist processes, where xdist is installed (Triton compiles each kernel
+    specialization on first use, single-threaded: the kernel tests' hundred or so compile in parallel)."""
     files, selection = tests
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
             f"--timeout={timeout_s}", f"--junitxml={junit / (name + '.xml')}", *files]
+    if workers and importlib.util.find_spec("xdist") is not None:
+        argv += ["-n", str(workers)]
     return Step(name, title, timeout_s, argv + (["-k", selection] if selection else []), env, tests)
 
 
@@ -79,7 +85,7 @@ def make_steps(args, junit: Path) -> list[Step]:
     steps = [Step("install", "nanoserve and the wheels it needs, without its CPU-only pins", 45,
                   install_command(args.wheels))] if device == "cuda" else []
     steps.append(pytest_step("kernels", "Triton kernels in bf16 and fp16 against kernels/reference.py, compiled",
-                             90 * bound, KERNEL_TESTS, env, junit))
+                             90 * bound, KERNEL_TESTS, env, junit, workers=8 if device == "cuda" else 0))
     for config, engine_args in ENGINE_CONFIGS.items():
         steps.append(pytest_step(f"engine-{config}", f"the engine equal to HF greedy, {engine_args}", 55 * bound,
                                  ENGINE_TESTS, {**env, "NANOSERVE_TEST_ENGINE_ARGS": engine_args}, junit))
@@ -161,6 +167,8 @@ def collect(step: Step, cache: dict) -> None:
     key = repr(step.tests)
     if key not in cache:
         argv = [a for a in step.argv if not a.startswith(("--junitxml", "--timeout"))] + ["--collect-only"]
+        if "-n" in argv:  # xdist workers print no test ids
+            del argv[argv.index("-n"):argv.index("-n") + 2]
         env = {**os.environ, **step.env}
         env.pop("TRITON_INTERPRET", None)
         done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -242,7 +250,7 @@ def parse_args(argv=None):
     return args
 
 
-def run_all(steps: list[Step], mode: str, log) -> None:
+def run_all(steps: list[Step], mode: str, log, junit: Path) -> None:
     cache: dict = {}
     for i, step in enumerate(steps, 1):
         if mode == "dry":
@@ -253,6 +261,7 @@ def run_all(steps: list[Step], mode: str, log) -> None:
                 step.status = "dry"
         else:
             run_step(step, log)
+            read_junit(step, junit)
         print(summary_line(i, len(steps), step), flush=True)
         log.write(summary_line(i, len(steps), step) + "\n")
         if step.name == "install" and step.status not in ("passed", "dry"):
@@ -270,9 +279,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as junit, open(out / "gpu_check.log", "w") as log:
         steps = make_steps(args, Path(junit))
         print(f"gpu_check: mode {mode}, {len(steps)} steps, out {out}", flush=True)
-        run_all(steps, mode, log)
-        for step in steps:
-            read_junit(step, Path(junit))
+        run_all(steps, mode, log, Path(junit))
     summary = write_summary(out, mode, steps, started, time.monotonic() - start)
     print(f"gpu_check: {summary['status']} in {summary['seconds']:.0f} s; {out / 'gpu_check.json'}")
     return 0 if summary["status"] in ("passed", "dry") else 1
