@@ -438,12 +438,12 @@ def served_skip_reason(args) -> str | None:
     return None
 
 
-def run_served(model: str, args, out_dir: str) -> dict:
+def run_served(model: str, args, out_dir: str, device: str = "cuda") -> dict:
     """client/bench_serving.py at 64 gRPC streams: served / in-process output tok/s on the same requests."""
     from nanoserve.serving.launcher import make_model_repository
 
     repo = make_model_repository(os.path.join(out_dir, "served-repository"), model, models=["nanoserve"],
-                                 device="cuda", max_num_seqs=64)
+                                 device=device, max_num_seqs=64)
     command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_serving.py"),
                "--model-repository", str(repo), "--concurrency", "64", "--input-len", "128", "--output-len",
                str(args.served_output_len), "--log-file", os.path.join(out_dir, "tritonserver.log")]
