@@ -4,8 +4,16 @@ from pathlib import Path
 
 # client/ is a top-level folder of the repository, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# Triton-language kernels run on the CPU through the interpreter; it must be set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device import KERNEL_DTYPES, ON_CUDA, engine_defaults  # noqa: E402
+
+# Without a GPU the Triton-language kernels run through the interpreter; it must be set before triton is imported.
+# With NANOSERVE_TEST_DEVICE=cuda they are compiled, as in production.
+if ON_CUDA:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("NANOSERVE_TEST_DEVICE=cuda tests the compiled kernels: unset TRITON_INTERPRET")
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The suite's own cache (built kernels, converted GGUF files, the demo's model), never the user's: it would
@@ -18,6 +26,12 @@ import torch  # noqa: E402
 
 # The test models are tiny: one thread avoids OpenMP spin-waits that make each op ~20x slower on a busy 2-core box.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(params=KERNEL_DTYPES)
+def dtype(request) -> torch.dtype:
+    """The kernel tests' dtype: float32 in the interpreter, bfloat16 and float16 on a GPU (tests/device.py)."""
+    return getattr(torch, request.param)
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +69,7 @@ def make_llm():
     made = []
 
     def factory(model_dir, **engine_args):
-        engine_args.setdefault("device", "cpu")
-        llm = LLM(model_dir, **engine_args)
+        llm = LLM(model_dir, **{**engine_defaults(), **engine_args})
         made.append(llm)
         return llm
 

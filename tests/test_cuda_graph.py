@@ -1,6 +1,8 @@
-"""The CUDA-graph decode path without a GPU: the capture protocol against a fake torch.cuda graph API, replay
-through the model runner (a fake graph's replay runs the captured forward eagerly on the static buffers),
-padding, eager fallbacks, and a check that the captured forward never synchronizes with the host."""
+"""The CUDA-graph decode path: the capture protocol against a fake torch.cuda graph API, replay through the model
+runner (without a GPU a fake graph's replay runs the captured forward eagerly on the static buffers; with
+NANOSERVE_TEST_DEVICE=cuda the graphs are captured and replayed for real), padding, a batch whose size changes
+every step, eager fallbacks (past the largest bucket, wider block tables, prefill), the engine with graphs against
+HF, and a check that the captured forward never synchronizes with the host."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +11,8 @@ import sys
 
 import pytest
 import torch
+from device import ON_CUDA, cuda_only
+from hf_reference import hf_greedy
 from test_model_runner import Blocks, check_rows, greedy_next, make_runner, make_seq, random_ids, run_step
 from torch.overrides import TorchFunctionMode
 
@@ -85,6 +89,14 @@ def fake_capture(graphs: CUDAGraphRunner, monkeypatch) -> FakeCuda:
     return cuda
 
 
+def capture(graphs: CUDAGraphRunner, monkeypatch) -> None:
+    """Real graphs on a GPU; on the CPU, fake ones whose replay runs the captured bucket's forward eagerly."""
+    if graphs.input_ids.is_cuda:
+        graphs.capture()
+    else:
+        fake_capture(graphs, monkeypatch)
+
+
 def spy_replays(graphs: CUDAGraphRunner, monkeypatch) -> list[int]:
     batches, run = [], graphs.run
 
@@ -134,11 +146,13 @@ def test_capture_refuses_host_synchronizing_attention(tiny_models, monkeypatch):
 
 # ---- replay through the model runner ----
 def test_replay_matches_hf_and_repads_rows(tiny_models, monkeypatch):
+    """The batch changes size every step, rows leaving and joining again: each step replays the smallest bucket
+    that holds it, and the rows of a bigger earlier batch become padding again."""
     use_triton_kernels(monkeypatch)
     model_dir = tiny_models["qwen3"]
-    runner = make_runner(model_dir, attention_backend="triton", max_num_seqs=8)
+    runner = make_runner(model_dir, attention_backend="triton", max_num_seqs=8, enforce_eager=True)
     graphs = graph_runner(runner, 8)
-    fake_capture(graphs, monkeypatch)
+    capture(graphs, monkeypatch)
     graphs.block_tables.fill_(1 << 30)  # stale ids that a padded row or an unused column must never follow
     runner.graphs = graphs
     replays = spy_replays(graphs, monkeypatch)
@@ -147,24 +161,32 @@ def test_replay_matches_hf_and_repads_rows(tiny_models, monkeypatch):
     run_step(runner, blocks, [(s, 0, s.num_tokens) for s in seqs])
     assert replays == []  # prefill runs eagerly
 
-    for batch in (seqs, seqs[:3]):  # bucket 8 with 3 padded rows, then bucket 4: rows 3, 4 become padding
+    # buckets 8 (3 padded rows), 4 (rows 3, 4 become padding), 4, 1, 8, 2
+    steps = [seqs, seqs[:3], seqs[1:], seqs[2:3], seqs, seqs[3:]]
+    for batch in steps:
         for seq in batch:
             greedy_next(model_dir, seq)
-        check_rows(model_dir, run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in batch]), batch)
+        logits = run_step(runner, blocks, [(s, s.num_tokens - 1, 1) for s in batch])
+        check_rows(model_dir, logits, blocks.sampled)
+        assert sorted(s.request_id for s in blocks.sampled) == sorted(s.request_id for s in batch)
         assert (graphs.slot_mapping[len(batch):] == PAD_SLOT).all()
         assert (graphs.seq_lens[len(batch):] == PAD_SEQ_LEN).all()
-    assert replays == [5, 3]
+    assert replays == [len(batch) for batch in steps[:len(replays)]] and len(replays) >= 2
     assert graphs.outputs[:4].isfinite().all()  # padded row 3 included
     runner.shutdown()
 
 
 def test_eager_fallbacks(tiny_models, monkeypatch):
-    """Steps a graph cannot take run eagerly and still give HF's logits. The torch backend is fine here: the
-    fake graphs are installed without a capture."""
+    """Steps a graph cannot take run eagerly and still give HF's logits. On the CPU the torch backend is fine:
+    the fake graphs are installed without a capture; a GPU captures real ones (with the Triton backend)."""
     model_dir = tiny_models["llama"]
-    runner = make_runner(model_dir, max_num_seqs=4)
+    backend = {"attention_backend": "triton", "enforce_eager": True} if ON_CUDA else {}
+    runner = make_runner(model_dir, max_num_seqs=4, **backend)
     graphs = graph_runner(runner, max_num_seqs=2, max_blocks=3)  # buckets 1, 2; tables up to 3 blocks of 4
-    graphs.graphs = {b: FakeGraph(functools.partial(graphs._forward, b)) for b in graphs.buckets}
+    if ON_CUDA:
+        graphs.capture()
+    else:
+        graphs.graphs = {b: FakeGraph(functools.partial(graphs._forward, b)) for b in graphs.buckets}
     runner.graphs = graphs
     replays = spy_replays(graphs, monkeypatch)
     blocks = Blocks(96, 4, seed=6)
@@ -293,3 +315,23 @@ def test_captured_forward_never_syncs_with_host(tiny_models, monkeypatch):
 def test_host_sync_detector_catches_the_torch_backend(tiny_models):
     calls = _graph_forward_host_syncs(tiny_models["qwen3"], "torch")
     assert any(c.startswith("tolist") for c in calls) and any(c.startswith("__getitem__") for c in calls)
+
+
+# ---- the engine's own graphs, on a GPU ----
+@cuda_only
+def test_engine_graphs_replay_and_match_hf(qwen3_dir, make_llm, monkeypatch):
+    """The engine captures its buckets (max_num_seqs 4: 1, 2, 4) and replays them while requests of different
+    lengths finish and waiting ones join, so the decode batch changes size; every request gets HF's tokens."""
+    from nanoserve import SamplingParams
+
+    llm = make_llm(qwen3_dir, attention_backend="triton", enforce_eager=False, max_num_seqs=4,
+                   kvcache_block_size=8)
+    graphs = llm.engine.executor.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    replays = spy_replays(graphs, monkeypatch)
+    prompts = [random_ids(n, seed=90 + n) for n in (5, 17, 1, 30, 9, 12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (3, 14, 7, 10, 5, 12)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, param, out in zip(prompts, params, outputs):
+        assert out.token_ids == hf_greedy(qwen3_dir, prompt, param.max_tokens)
+    assert len(set(replays)) >= 3, replays  # decode batches of several sizes replayed

@@ -1,8 +1,9 @@
 """Triton store_kvcache / paged attention kernels against kernels/reference.py.
 
 Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1 from conftest.py) in float32;
-with CUDA the same tests run in bfloat16 against a float32 reference. Caches start as NaN so any read of
-an unwritten slot shows up, and outputs start as NaN so any unwritten element does.
+with NANOSERVE_TEST_DEVICE=cuda the same tests run compiled, in bfloat16 and float16, against a float32 reference.
+Caches start as NaN so any read of an unwritten slot shows up, and outputs start as NaN so any unwritten element
+does.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from device import TEST_DEVICE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,13 +19,16 @@ from nanoserve.kernels import ops
 from nanoserve.kernels import reference as ref
 from nanoserve.kernels import torch_attention
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-TOL = dict(atol=3e-2, rtol=3e-2) if DTYPE == torch.bfloat16 else dict(atol=3e-5, rtol=3e-5)
+DEVICE = TEST_DEVICE
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return dict(atol=3e-5, rtol=3e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
 
 
 def assert_close(actual, expected, **tol):
-    torch.testing.assert_close(actual.float(), expected.float(), **(tol or TOL))
+    """Within the tolerance of actual's dtype, unless given."""
+    torch.testing.assert_close(actual.float(), expected.float(), **(tol or tolerance(actual.dtype)))
 
 
 @dataclass
@@ -50,8 +55,8 @@ class PagedBatch:
         return torch.full_like(self.q, float("nan"))
 
 
-def make_batch(q_lens, seq_lens, *, block_size, num_kv_heads=2, group=1, head_dim=32, seed=0,
-               dtype=DTYPE) -> PagedBatch:
+def make_batch(q_lens, seq_lens, *, block_size, dtype, num_kv_heads=2, group=1, head_dim=32,
+               seed=0) -> PagedBatch:
     """Random K/V for every context position, stored through shuffled block ids (3 blocks stay unused)."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-s // block_size) for s in seq_lens]
@@ -88,7 +93,7 @@ SCENARIOS = {
 # ---------------------------------------------------------------------------------------------- store
 
 @pytest.mark.parametrize("block_size", [16, 32, 256])
-def test_store_kvcache_writes_only_given_slots(block_size):
+def test_store_kvcache_writes_only_given_slots(block_size, dtype):
     gen = torch.Generator().manual_seed(block_size)
     num_blocks, kv_heads, head_dim, num_tokens = 5, 2, 32, 40
     # k/v as strided views of a fused projection output, in float32 while the cache may be bf16
@@ -98,8 +103,8 @@ def test_store_kvcache_writes_only_given_slots(block_size):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::7] = -1  # padded tokens
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=DTYPE, device=DEVICE)
-    v_cache = torch.full(shape, float("nan"), dtype=DTYPE, device=DEVICE)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
     k_exp, v_exp = k_cache.clone(), v_cache.clone()
     k, v, slots = k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE)
 
@@ -111,9 +116,9 @@ def test_store_kvcache_writes_only_given_slots(block_size):
     assert int((~k_cache.isnan()).sum()) == written and int((~v_cache.isnan()).sum()) == written
 
 
-def test_store_kvcache_empty_and_all_padded():
-    cache = torch.full((2, 16, 1, 16), float("nan"), dtype=DTYPE, device=DEVICE)
-    kv = torch.randn(3, 1, 16, dtype=DTYPE, device=DEVICE)
+def test_store_kvcache_empty_and_all_padded(dtype):
+    cache = torch.full((2, 16, 1, 16), float("nan"), dtype=dtype, device=DEVICE)
+    kv = torch.randn(3, 1, 16, dtype=dtype, device=DEVICE)
     ops.store_kvcache(kv[:0], kv[:0], cache, cache.clone(), torch.empty(0, dtype=torch.int64, device=DEVICE))
     ops.store_kvcache(kv, kv, cache, cache, torch.full((3,), -1, dtype=torch.int64, device=DEVICE))
     assert cache.isnan().all()
@@ -130,36 +135,37 @@ CASES = [("mixed", bs, g) for bs in (16, 32, 256) for g in (1, 4, 8)] + [
 
 
 @pytest.mark.parametrize("scenario,block_size,group", CASES)
-def test_paged_attention_matches_reference(scenario, block_size, group):
+def test_paged_attention_matches_reference(scenario, block_size, group, dtype):
     q_lens, seq_lens = SCENARIOS[scenario]
     batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=1 if group == 8 else 2,
-                       group=group, seed=block_size + group)
+                       group=group, seed=block_size + group, dtype=dtype)
     out = ops.paged_attention(*batch.args(), out=batch.nan_out())
     assert out.isfinite().all(), "an output element was not written"
     assert_close(out, batch.reference())
 
 
-def test_paged_attention_split_k_on_and_off_agree():
-    batch = make_batch(*SCENARIOS["mixed"], block_size=16, num_kv_heads=2, group=4, seed=3)
+def test_paged_attention_split_k_on_and_off_agree(dtype):
+    batch = make_batch(*SCENARIOS["mixed"], block_size=16, num_kv_heads=2, group=4, seed=3, dtype=dtype)
     one = ops.paged_attention(*batch.args(), num_splits=1, out=batch.nan_out())
-    tol = dict(atol=1e-2, rtol=1e-2) if DTYPE == torch.bfloat16 else TOL  # only summation order differs
+    tol = tolerance(dtype) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)  # only summation order differs
     for splits in (2, 7):
         many = ops.paged_attention(*batch.args(), num_splits=splits, out=batch.nan_out())
         assert_close(many, one, **tol)
     assert_close(one, batch.reference())
 
 
-def test_paged_attention_hints_and_default_out():
-    batch = make_batch(*SCENARIOS["decode"], block_size=16, num_kv_heads=2, group=2, seed=4)
+def test_paged_attention_hints_and_default_out(dtype):
+    batch = make_batch(*SCENARIOS["decode"], block_size=16, num_kv_heads=2, group=2, seed=4, dtype=dtype)
     out = ops.paged_attention(*batch.args(), max_query_len=1, max_seq_len=max(SCENARIOS["decode"][1]))
     assert_close(out, batch.reference())
-    batch = make_batch(*SCENARIOS["prefix"], block_size=32, num_kv_heads=2, group=2, seed=5)
+    batch = make_batch(*SCENARIOS["prefix"], block_size=32, num_kv_heads=2, group=2, seed=5, dtype=dtype)
     assert_close(ops.paged_attention(*batch.args(), max_query_len=64, max_seq_len=300), batch.reference())
 
 
-def test_paged_attention_odd_shapes():
+def test_paged_attention_odd_shapes(dtype):
     """Non-power-of-two head_dim, GQA group and block size (the engine tests use block size 8)."""
-    batch = make_batch([1, 9, 3], [20, 9, 45], block_size=8, num_kv_heads=2, group=3, head_dim=24, seed=6)
+    batch = make_batch([1, 9, 3], [20, 9, 45], block_size=8, num_kv_heads=2, group=3, head_dim=24, seed=6,
+                       dtype=dtype)
     out = ops.paged_attention(*batch.args(), num_splits=3, out=batch.nan_out())
     assert out.isfinite().all()
     assert_close(out, batch.reference())
@@ -175,17 +181,19 @@ def test_paged_attention_float16():
         assert_close(out, batch.reference(), atol=1e-2, rtol=1e-2)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])  # dtype: immutable
 @given(
     seqs=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 70)), min_size=1, max_size=4),
     block_size=st.sampled_from([8, 16, 32]),
     group=st.sampled_from([1, 2, 4]),
     splits=st.sampled_from([1, 3]),
 )
-def test_paged_attention_random_batches(seqs, block_size, group, splits):
+def test_paged_attention_random_batches(seqs, block_size, group, splits, dtype):
     q_lens = [q for q, _ in seqs]
     seq_lens = [q + prefix for q, prefix in seqs]
-    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=2, group=group, head_dim=16)
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, num_kv_heads=2, group=group, head_dim=16,
+                       dtype=dtype)
     out = ops.paged_attention(*batch.args(), num_splits=splits, out=batch.nan_out())
     assert out.isfinite().all()
     assert_close(out, batch.reference())
@@ -195,9 +203,10 @@ def test_paged_attention_random_batches(seqs, block_size, group, splits):
 
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_paged_decode_attention_with_padded_rows(num_splits, block_size):
+def test_paged_decode_attention_with_padded_rows(num_splits, block_size, dtype):
     seq_lens = [33, 0, 1, 260, 0, 100]  # 0: CUDA-graph padding rows
-    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=block_size, num_kv_heads=2, group=4, seed=7)
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=block_size, num_kv_heads=2, group=4, seed=7,
+                       dtype=dtype)
     padded = batch.seq_lens == 0
     batch.block_tables[padded] = 1 << 30  # garbage a padded row must never follow
     q = batch.q  # [batch, heads, head_dim]: one token per sequence
@@ -211,19 +220,20 @@ def test_paged_decode_attention_with_padded_rows(num_splits, block_size):
     assert_close(out[real], expected)
 
 
-def test_paged_decode_attention_all_rows_padded():
-    batch = make_batch([1, 1], [0, 0], block_size=16, seed=8)
+def test_paged_decode_attention_all_rows_padded(dtype):
+    batch = make_batch([1, 1], [0, 0], block_size=16, seed=8, dtype=dtype)
     out = ops.paged_decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens,
                                      batch.scale, 4)
     assert (out == 0).all()
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_paged_attention_graph_padded_decode_batch(num_splits):
+def test_paged_attention_graph_padded_decode_batch(num_splits, dtype):
     """What a CUDA-graph replay passes: query_start_loc = arange, max_query_len 1, max_seq_len the static
     bound, and padded rows (seq_len 0, stale block ids) after the real ones."""
     seq_lens = [33, 260, 1, 0, 0]
-    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=16, num_kv_heads=2, group=4, seed=10)
+    batch = make_batch([1] * len(seq_lens), seq_lens, block_size=16, num_kv_heads=2, group=4, seed=10,
+                       dtype=dtype)
     padded = batch.seq_lens == 0
     batch.block_tables[padded] = 1 << 30
     out = ops.paged_attention(*batch.args(), max_query_len=1, max_seq_len=4096, num_splits=num_splits,

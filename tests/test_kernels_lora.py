@@ -1,17 +1,20 @@
 """Triton add_lora (kernels/lora.py) against reference.add_lora_ref, the torch path of layers/lora.py: tokens of
 mixed adapter slots and of none (-1) in one batch, fused linears of one to three parts, several ranks.
 
-Interpreter (TRITON_INTERPRET=1) without CUDA; the GPU runs the same cases. Small shapes: the interpreter is slow.
+Interpreter (TRITON_INTERPRET=1) without CUDA; NANOSERVE_TEST_DEVICE=cuda runs the same cases compiled, and the
+16-bit case in float16 too. Small shapes: the interpreter is slow.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from device import ON_CUDA, TEST_DEVICE
 
 from nanoserve.kernels import ops
 from nanoserve.kernels import reference as ref
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = TEST_DEVICE
+SIXTEEN_BIT = (torch.bfloat16, torch.float16) if ON_CUDA else (torch.bfloat16,)
 PARTS = {"qkv": [(0, 32), (32, 16), (48, 16)], "gate_up": [(0, 24), (24, 24)], "one": [(0, 40)]}
 SLOTS = [0, -1, 2, 2, 1, 0, -1, 2, 1]  # slot 1 is empty (zero weights), like a cleared slot
 
@@ -46,9 +49,10 @@ def test_add_lora_matches_reference(parts, rank, in_size):
     assert torch.equal(out[base], y[base]) and not torch.equal(out[~base], y[~base])
 
 
-def test_add_lora_bfloat16_within_rounding():
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_add_lora_16_bit_within_rounding(dtype):
     """The kernel adds in float32 and rounds once; the reference rounds the shrunk activations too."""
-    y, out, expected = run_both(PARTS["qkv"], 4, 32, torch.bfloat16, SLOTS)
+    y, out, expected = run_both(PARTS["qkv"], 4, 32, dtype, SLOTS)
     torch.testing.assert_close(out.float(), expected.float(), atol=5e-2, rtol=2e-2)
 
 

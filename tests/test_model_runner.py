@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from device import engine_defaults
 from hf_reference import hf_model
 
 from nanoserve.config import EngineConfig
@@ -22,9 +23,10 @@ ARCHS = ("qwen3", "qwen2", "llama")
 
 # ---- helpers (also used by test_tensor_parallel.py, test_cuda_graph.py, test_models.py) ----
 def make_config(model_dir: str, block_size: int = 4, num_blocks: int | None = 96, **engine_args) -> EngineConfig:
-    args = dict(device="cpu", dtype="float32", kvcache_block_size=block_size, num_kvcache_blocks=num_blocks,
-                max_model_len=256, max_num_seqs=16)
-    return EngineConfig.from_kwargs(model_dir, **{**args, **engine_args})
+    """On the test device (tests/device.py), in float32: HF's reference runs in float32 on the CPU."""
+    args = dict(dtype="float32", kvcache_block_size=block_size, num_kvcache_blocks=num_blocks, max_model_len=256,
+                max_num_seqs=16)
+    return EngineConfig.from_kwargs(model_dir, **{**engine_defaults(), **args, **engine_args})
 
 
 def make_runner(model_dir: str, block_size: int = 4, num_blocks: int | None = 96, **engine_args) -> ModelRunner:
@@ -107,7 +109,7 @@ def hf_last_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 
 def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     scale = max(1.0, float(ref.abs().max()))
-    torch.testing.assert_close(ours, ref, atol=1e-4 * scale, rtol=1e-4)
+    torch.testing.assert_close(ours.cpu(), ref, atol=1e-4 * scale, rtol=1e-4)
 
 
 def check_rows(model_dir: str, logits: torch.Tensor, seqs: list[Sequence]) -> None:
