@@ -131,7 +131,9 @@ class TritonPythonModel:
         self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
         self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
-        formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
+        # one response per step (send_every_step), or as soon as possible (send_budget 1): a step whose text is
+        # held back (an incomplete character, a possible stop string) sends "", as vllm_backend does
+        formatter = make_formatter(self.engine.tokenizer, send_empty=every_step or send_budget == 1)
         server_args = ServerArgs.of_parent()
         self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,

@@ -156,6 +156,11 @@ class SamplingParams:
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
+    def max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """The most tokens a request with this prompt length may generate: max_tokens, or by default whatever
+        max_model_len leaves (at least 1)."""
+        return max(max_model_len - num_prompt_tokens, 1) if self.max_tokens is None else self.max_tokens
+
     @classmethod
     def from_dict(cls, params: dict) -> "SamplingParams":
         """Build from JSON-like values; strings such as "32", "0.5", "true" or '["a"]' are accepted
