@@ -27,12 +27,13 @@ import queue
 
 import triton_python_backend_utils as pb_utils
 
+from nanoserve.coercion import optional_bool
 from nanoserve.serving import request as contract
 from nanoserve.serving.control import Drain, control_event
 from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
+from nanoserve.serving.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
                                           reports_vllm_metrics)
 from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
                                          text_formatter)
@@ -105,7 +106,7 @@ class TritonPythonModel:
         logging.getLogger("nanoserve").setLevel(logging.INFO)
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
-        every_step = is_true(_parameter(model_config, "send_every_step"))
+        every_step = optional_bool("send_every_step", _parameter(model_config, "send_every_step"))
         _, _, prompt_field, make_formatter, ended_arrays = MODES[self.mode]
         self.name = args["model_name"]
         model_json = read_model_json(args["model_repository"], args["model_version"])
