@@ -78,3 +78,20 @@ def test_a_launched_step_is_ready_no_earlier_than_its_device_time(wait):
     assert ids.dtype == np.int64 and ids.shape == (3,) and ((0 <= ids) & (ids < 10)).all()
     empty = device.launch(num_tokens=0, num_rows=0, vocab_size=10)  # a step that only preempted: no device time
     assert empty.ready_at <= time.perf_counter() and len(empty.token_ids()) == 0
+
+
+def test_bench_ab_reads_the_device_shares_bench_serving_prints(capsys, monkeypatch):
+    from client import bench_ab, bench_serving
+
+    monkeypatch.setenv(ENV_STEP_MS, "")  # restored (unset) after the test: simulate_device sets both
+    monkeypatch.setenv(ENV_WAIT, "")
+
+    args = bench_serving.parse_args(["--model-repository", "repo", "--concurrency", "4", "--simulated-device-ms",
+                                     "8"])
+    device_bound = bench_serving.simulate_device(args)
+    assert device_bound == 4 * 1000 / 8
+    rounds = [{"served": bench_serving.RunResult(1.0, tokens), "in-process": bench_serving.RunResult(1.0, 400)}
+              for tokens in (250, 300, 350)]
+    bench_serving.print_device_shares(rounds, device_bound, args)
+    shares = bench_ab.parse("simulated", capsys.readouterr().out)
+    assert shares == {"served / device-bound": 0.6, "in-process / device-bound": 0.8}  # the medians
