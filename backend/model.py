@@ -27,12 +27,13 @@ import queue
 
 import triton_python_backend_utils as pb_utils
 
+from nanoserve.coercion import optional_bool
 from nanoserve.serving import request as contract
 from nanoserve.serving.control import Drain, control_event
 from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
 from nanoserve.serving.engine_thread import EngineThread
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import (engine_args_of, instance_device, is_true, lora_modules, read_model_json,
+from nanoserve.serving.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
                                           reports_vllm_metrics)
 from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
                                          text_formatter)
@@ -105,7 +106,7 @@ class TritonPythonModel:
         logging.getLogger("nanoserve").setLevel(logging.INFO)
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
-        every_step = is_true(_parameter(model_config, "send_every_step"))
+        every_step = optional_bool("send_every_step", _parameter(model_config, "send_every_step"))
         _, _, prompt_field, make_formatter, ended_arrays = MODES[self.mode]
         self.name = args["model_name"]
         model_json = read_model_json(args["model_repository"], args["model_version"])
@@ -131,7 +132,9 @@ class TritonPythonModel:
         self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
         self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
-        formatter = make_formatter(self.engine.tokenizer, every_step=every_step)
+        # one response per step (send_every_step), or as soon as possible (send_budget 1): a step whose text is
+        # held back (an incomplete character, a possible stop string) sends "", as vllm_backend does
+        formatter = make_formatter(self.engine.tokenizer, send_empty=every_step or send_budget == 1)
         server_args = ServerArgs.of_parent()
         self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,

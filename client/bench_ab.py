@@ -10,7 +10,9 @@ Benchmarks (each checkout needs a .venv made by scripts/setup.sh):
 - offline: client/bench_offline.py --num-seqs 64 --min-len 16 --max-len 256 --skip-hf: output tok/s of
   LLM.generate (higher is better);
 - serving: client/bench_serving.py --together: served / in-process output tok/s through a real tritonserver
-  (higher is better; needs --model-repository).
+  (higher is better; needs --model-repository);
+- simulated: the same with a simulated device of --simulated-device-ms ms per step (8) at 64 rows, 128-token
+  outputs: each side's share of the device-bound rate (higher is better; both checkouts need the option).
 Every run records the load average and the host's steal share meanwhile (a shared VM's neighbours). The table
 gives per figure each side's median over the rounds and B's median / A's median.
 """
@@ -28,6 +30,7 @@ from pathlib import Path
 HOST = re.compile(r"^(generate|stream)\s+seqs=\s*(\d+).*host overhead=\s*(\d+) us", re.M)
 OFFLINE = re.compile(r"^round \d+: nanoserve: .* = ([\d.]+) tok/s", re.M)
 SERVING = re.compile(r"^served / in-process: ([\d.]+)", re.M)
+DEVICE_SHARE = re.compile(r"^(served|in-process) / device-bound: ([\d.]+)", re.M)
 
 
 def commands(args) -> dict[str, list[str]]:
@@ -39,6 +42,9 @@ def commands(args) -> dict[str, list[str]]:
         "offline": ["client/bench_offline.py", "--num-seqs", "64", "--min-len", "16", "--max-len", "256",
                     "--skip-hf"],
         "serving": serving,
+        "simulated": ["client/bench_serving.py", "--model-repository", str(args.model_repository or ""), "--together",
+                      "--rounds", str(args.serving_rounds), "--concurrency", "64", "--output-len", "128",
+                      "--simulated-device-ms", str(args.simulated_device_ms)],
     }
 
 
@@ -47,6 +53,8 @@ def parse(benchmark: str, text: str) -> dict[str, float]:
         return {f"host overhead {mode} {n} seqs (us)": float(us) for mode, n, us in HOST.findall(text)}
     if benchmark == "offline":
         return {"offline tok/s": float(value) for value in OFFLINE.findall(text)[-1:]}
+    if benchmark == "simulated":
+        return {f"{side} / device-bound": float(value) for side, value in DEVICE_SHARE.findall(text)}
     return {"served / in-process": float(value) for value in SERVING.findall(text)[-1:]}
 
 
@@ -76,13 +84,15 @@ def main() -> None:
     parser.add_argument("a", type=Path, help="checkout A (the baseline)")
     parser.add_argument("b", type=Path, help="checkout B")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--benchmarks", nargs="+", choices=["host", "offline", "serving"], default=["host", "offline"])
+    parser.add_argument("--benchmarks", nargs="+", choices=["host", "offline", "serving", "simulated"],
+                        default=["host", "offline"])
     parser.add_argument("--model-repository", type=Path, help="for serving: the served model's repository")
     parser.add_argument("--serving-rounds", type=int, default=4, help="bench_serving.py's own paired rounds per run")
+    parser.add_argument("--simulated-device-ms", type=float, default=8.0, help="for simulated: ms per step")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     args = parser.parse_args()
-    if "serving" in args.benchmarks and args.model_repository is None:
-        parser.error("--benchmarks serving needs --model-repository")
+    if {"serving", "simulated"} & set(args.benchmarks) and args.model_repository is None:
+        parser.error("--benchmarks serving and simulated need --model-repository")
     results: dict[tuple[str, str], list[float]] = {}  # (figure, side) -> one value per round
     for round_ in range(args.rounds):
         order = [("A", args.a), ("B", args.b)] if round_ % 2 == 0 else [("B", args.b), ("A", args.a)]

@@ -24,6 +24,15 @@ Launched servers are stopped before the in-process run (a GPU cannot hold two en
 --url the in-process engine shares the machine with that server, so stop it or pass --no-inprocess.
 On a small, busy CPU machine torch's OpenMP threads spin against each other and both numbers swing several-fold:
 set OMP_NUM_THREADS=1 (it reaches the launched server too).
+
+Simulated device (what the host side lets a GPU do, measured without one): --simulated-device-ms X replaces the
+model's forward and the sampler's tensor math by X ms of device time per step and random token ids, in both sides
+(nanoserve/engine/simulated_device.py; it sets NANOSERVE_SIMULATED_DEVICE_MS, which a launched tritonserver's stubs
+inherit: a server at --url must have been started with it). Each run then also gives its share of the
+device-bound rate, rows * 1000 / X tok/s (rows: the streams running at once).
+
+    python client/bench_serving.py --model-repository DIR --simulated-device-ms 8 --rounds 3
+    python client/bench_serving.py --model-repository DIR --simulated-device-ms 8 --simulated-device-wait launch
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ if not __package__:  # run as a script: make `client` importable
 
 from client import thread_times  # noqa: E402
 from client.stream import first_value, grpc_inputs, sampling_parameters  # noqa: E402
+from nanoserve.engine.simulated_device import ENV_STEP_MS, ENV_WAIT, WAITS  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -60,13 +70,15 @@ class RunResult:
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
-    def describe(self, name: str, num_requests: int) -> str:
+    def describe(self, name: str, num_requests: int, device_bound: float | None = None) -> str:
+        """device_bound: with a simulated device, its rate in tok/s, to which this run's is compared."""
+        bound = f" ({self.tokens_per_s / device_bound:.3f} of the device-bound rate)" if device_bound else ""
         ttft = f", mean TTFT {1000 * sum(self.ttfts) / len(self.ttfts):.0f} ms" if self.ttfts else ""
         client = f" ({self.responses} responses, client CPU {self.client_cpu:.2f} s)" if self.responses else ""
         steal = f", host steal {self.steal:.0%}" if self.steal is not None else ""
         threads = f"\n{'':>12}threads: {thread_times.describe(self.threads)}" if self.threads else ""
         return (f"{name:>10}: {num_requests} requests, {self.output_tokens} output tokens in {self.seconds:.2f} s "
-                f"= {self.tokens_per_s:.1f} tok/s{ttft}{client}{steal}{threads}")
+                f"= {self.tokens_per_s:.1f} tok/s{bound}{ttft}{client}{steal}{threads}")
 
 
 class HostSteal:
@@ -303,13 +315,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="keep tritonserver and the in-process engine loaded side by side for every round, each "
                              "warmed up once (a CPU model, or a GPU with memory for both engines): a round's two runs "
                              "then come seconds apart, the closest pairing on a host whose speed drifts")
+    parser.add_argument("--simulated-device-ms", type=float,
+                        help="a simulated device taking this many ms per step instead of the model's forward and "
+                             "sampler math, in both sides; prints each run's share of the device-bound rate")
+    parser.add_argument("--simulated-device-wait", choices=WAITS, default="sync",
+                        help="sync: waited for where the host reads the sampled ids (default); launch: at the "
+                             "step's launch, nothing of the step's host work overlapping; spin: as sync, polling")
     parser.add_argument("--min-ratio", type=float, help="exit 1 when served/in-process is below this")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the model to load")
     parser.add_argument("--log-file", default="bench_serving_tritonserver.log")
     args = parser.parse_args(argv)
     args.num_prompts = args.num_prompts or args.concurrency
     args.warmup = args.concurrency if args.warmup is None else args.warmup
+    if args.simulated_device_ms is not None and not args.simulated_device_ms > 0:
+        parser.error("--simulated-device-ms: expected a positive number")
     return args
+
+
+def simulate_device(args) -> float | None:
+    """With --simulated-device-ms: set the environment that the in-process engine and a launched tritonserver's
+    stubs build their simulated device from; returns the device-bound rate in tok/s (else None)."""
+    if args.simulated_device_ms is None:
+        return None
+    os.environ[ENV_STEP_MS] = str(args.simulated_device_ms)
+    os.environ[ENV_WAIT] = args.simulated_device_wait
+    if args.url:
+        print(f"note: the server at --url simulates a device only if it was started with {ENV_STEP_MS}="
+              f"{args.simulated_device_ms} {ENV_WAIT}={args.simulated_device_wait}", file=sys.stderr)
+    return min(args.concurrency, args.num_prompts) * 1000 / args.simulated_device_ms
 
 
 def round_order(round_: int, no_inprocess: bool) -> tuple[str, ...]:
@@ -330,7 +363,7 @@ def too_much_steal(runs, max_steal: float | None) -> bool:
     return max_steal is not None and any(run.steal is not None and run.steal > max_steal for run in runs)
 
 
-def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
+def run_round(args, round_: int, sides: dict, tokenizer: str, device_bound: float | None = None) -> dict:
     """{side: RunResult}: each round on new prompts (no prefix-cache hits), the same for both sides."""
     prompts = make_prompts(tokenizer, args.num_prompts, args.input_len, args.seed + 100 * round_)
     warmup_prompts = [] if args.together else make_warmup_prompts(args, round_, tokenizer)  # --together: once
@@ -339,7 +372,7 @@ def run_round(args, round_: int, sides: dict, tokenizer: str) -> dict:
         runs[side] = sides[side](prompts, warmup_prompts)
         if side == "served":
             check_output_tokens(runs[side], args.num_prompts * args.output_len)
-        print(runs[side].describe(f"{round_}: {side}", args.num_prompts), flush=True)
+        print(runs[side].describe(f"{round_}: {side}", args.num_prompts, device_bound), flush=True)
     return runs
 
 
@@ -348,24 +381,37 @@ def make_warmup_prompts(args, round_: int, tokenizer: str) -> list[str]:
     return make_prompts(tokenizer, args.warmup, args.input_len, args.seed + 100 * round_ + 1)
 
 
-def run_rounds(args, sides: dict, tokenizer: str) -> tuple[list[float], list[float]]:
-    """(ratios kept, ratios left out for host steal), a round each."""
-    ratios, left_out = [], []
+def run_rounds(args, sides: dict, tokenizer: str,
+               device_bound: float | None = None) -> tuple[list[float], list[float], list[dict]]:
+    """(ratios kept, ratios left out for host steal), a round each, and each round's {side: RunResult}."""
+    ratios, left_out, rounds = [], [], []
     for round_ in range(args.rounds):
-        runs = run_round(args, round_, sides, tokenizer)
+        runs = run_round(args, round_, sides, tokenizer, device_bound)
+        rounds.append(runs)
         if "in-process" in runs:
             ratio = runs["served"].tokens_per_s / runs["in-process"].tokens_per_s
             stolen = too_much_steal(runs.values(), args.max_steal)
             (left_out if stolen else ratios).append(ratio)
             print(f"{round_}: served / in-process: {ratio:.3f}{' (left out: host steal)' if stolen else ''}",
                   flush=True)
-    return ratios, left_out
+    return ratios, left_out, rounds
+
+
+def print_device_shares(rounds: list[dict], device_bound: float, args) -> None:
+    """Each side's median share of the simulated device's rate over the rounds, and their range."""
+    print(f"device-bound rate: {device_bound:.0f} tok/s ({min(args.concurrency, args.num_prompts)} rows, "
+          f"{args.simulated_device_ms:g} ms per step, wait: {args.simulated_device_wait})")
+    for side in rounds[0]:
+        shares = sorted(runs[side].tokens_per_s / device_bound for runs in rounds)
+        print(f"{side} / device-bound: {statistics.median(shares):.3f} (median of {len(shares)} round(s), "
+              f"range {shares[0]:.3f}-{shares[-1]:.3f})")
 
 
 def main(argv=None) -> int:
     from nanoserve.serving.model_json import load_engine_args
 
     args = parse_args(argv)
+    device_bound = simulate_device(args)
     engine_args = load_engine_args(str(Path(args.model_repository) / args.model))
     model_dir = engine_args.pop("model")
     tokenizer = engine_args.get("tokenizer") or model_dir
@@ -376,7 +422,9 @@ def main(argv=None) -> int:
                                    stack)
         else:
             sides = separate_sides(args, model_dir, engine_args, params)
-        ratios, left_out = run_rounds(args, sides, tokenizer)
+        ratios, left_out, rounds = run_rounds(args, sides, tokenizer, device_bound)
+    if device_bound:
+        print_device_shares(rounds, device_bound, args)
     if not ratios:
         if left_out:
             print(f"no round within --max-steal {args.max_steal}: {len(left_out)} left out")

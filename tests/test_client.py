@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from client import bench_serving, stream
-from triton_server import TEST_ENGINE_ARGS, nanoserve_server  # noqa: F401 (fixture)
+from nanoserve.engine.simulated_device import ENV_STEP_MS, ENV_WAIT
+from triton_server import TEST_ENGINE_ARGS, nanoserve_server, tiny_repository  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,6 +182,26 @@ def test_bench_serving_inprocess_reuses_an_engine_with_new_request_ids(qwen3_dir
                         for _ in range(2))
         assert first.texts == again.texts and first.output_tokens == again.output_tokens == 3 * 4
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_total_blocks
+
+
+def test_bench_serving_simulates_the_device_in_both_sides(qwen3_dir, tmp_path, monkeypatch, capsys):
+    """A launched tritonserver's stub builds the simulated device from the environment, like the in-process engine:
+    each side streams every token, never faster than the simulated device allows (every step takes at least its
+    time and samples at most --concurrency rows)."""
+    monkeypatch.setenv(ENV_STEP_MS, "")  # restored (unset) after the test: main() sets both
+    monkeypatch.setenv(ENV_WAIT, "")
+    repository = tiny_repository(tmp_path / "repository", qwen3_dir)
+    log = tmp_path / "tritonserver.log"
+    argv = ["--model-repository", str(repository), "--concurrency", "2", "--num-prompts", "3", "--warmup", "1",
+            "--input-len", "6", "--output-len", "4", "--together", "--simulated-device-ms", "20",
+            "--log-file", str(log)]
+    assert bench_serving.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("3 requests, 12 output tokens") == 2 and "device-bound rate: 100 tok/s (2 rows, 20 ms" in out
+    shares = {line.split(" / ")[0]: float(line.split(": ")[1].split()[0])
+              for line in out.splitlines() if " / device-bound: " in line}
+    assert set(shares) == {"served", "in-process"} and all(0 < share <= 1 for share in shares.values())
+    assert f"simulated device ({ENV_STEP_MS}=20, {ENV_WAIT}=sync)" in log.read_text()
 
 
 def test_host_steal_is_the_steal_share_of_the_cpu_time_between_two_readings(tmp_path):

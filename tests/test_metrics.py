@@ -11,7 +11,8 @@ from nanoserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 MODEL = "nanoserve"
-ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 8, "num_kvcache_blocks": 16}
+# max_model_len: the pool's size, so that a request without max_tokens (max_model_len - prompt) is admitted
+ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 8, "num_kvcache_blocks": 16, "max_model_len": 128}
 M = 30  # tokens per request
 GREEDY = {"temperature": 0, "max_tokens": M, "ignore_eos": True}
 PROMPTS = ["The licence grants you the right to", "naïve café — 你好", "def main():", "Copyright (C) 2007"]
@@ -120,6 +121,11 @@ def check_traffic(server, max_tokens: list[int], expected: list) -> bool:
         assert vllm[f"vllm:{name}_bucket{{le=+Inf}}"] == vllm[f"vllm:{name}_count"]
     assert delta(vllm, vllm_before, "vllm:request_prompt_tokens_sum") == prompt_tokens
     assert delta(vllm, vllm_before, "vllm:request_generation_tokens_sum") == generated
+    assert delta(vllm, vllm_before, "vllm:request_params_n_count") == k
+    assert delta(vllm, vllm_before, "vllm:request_params_n_sum") == k
+    assert delta(vllm, vllm_before, "vllm:request_params_max_tokens_count") == k
+    assert delta(vllm, vllm_before, "vllm:request_params_max_tokens_sum") == sum(max_tokens)
+    assert delta(vllm, vllm_before, "vllm:request_params_max_tokens_bucket{le=50}") == k - 1  # 96 above 50
     assert vllm["vllm:kv_cache_usage_perc"] == 0 and vllm["vllm:num_requests_running"] == 0
     return delta(after, before, "nanoserve_preemptions_total") > 0
 
@@ -140,3 +146,20 @@ def test_n_samples_compute_their_prompt_once(server):
     assert delta(after, before, "vllm:prefix_cache_hits_total") == 2 * shared
     assert delta(after, before, "vllm:prompt_tokens_total") == num_prompt
     assert delta(after, before, "vllm:request_generation_tokens_sum") == 3 * 8
+    # vLLM's histograms of the request's parameters: one sample per request, n's buckets 1, 2, 5, 10, 20
+    assert delta(after, before, "vllm:request_params_n_count") == 1
+    assert delta(after, before, "vllm:request_params_n_sum") == 3
+    assert delta(after, before, "vllm:request_params_n_bucket{le=2}") == 0
+    assert delta(after, before, "vllm:request_params_n_bucket{le=5}") == 1
+    assert delta(after, before, "vllm:request_params_max_tokens_sum") == 8
+
+
+def test_max_tokens_not_given_is_counted_as_what_max_model_len_leaves(server, llm):
+    before = metrics(server, MODEL, prefix="vllm:")
+    out = stream(server, MODEL, text_input="Stop soon", return_num_input_tokens=True,
+                 sampling_parameters={"temperature": 0})
+    assert out.error is None, out.error
+    num_prompt = int(out.responses[-1]["num_input_tokens"][0])
+    after = metrics(server, MODEL, prefix="vllm:")
+    assert delta(after, before, "vllm:request_params_max_tokens_count") == 1
+    assert delta(after, before, "vllm:request_params_max_tokens_sum") == llm.engine.config.max_model_len - num_prompt

@@ -5,15 +5,19 @@ import argparse
 import json
 import shutil
 import socket
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from client import stream
 from nanoserve import cli
 from nanoserve.config import EngineConfig
-from nanoserve.serving import launcher, triton_log
+from nanoserve.serving import launcher, preflight, triton_log
 from nanoserve.serving.engine_flags import flag, given_engine_args
 from nanoserve.serving.model_json import lora_modules, tokenizer_dir
+
+from triton_server import nanoserve_serve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,25 +137,36 @@ def test_ports_in_use_or_repeated_are_named(capsys, no_tritonserver, qwen3_dir):
     assert f"--grpc-port: port {http} is also --http-port" in one_error_line(capsys, argv)
 
 
-def test_model_repository_mistakes_name_the_file(capsys, no_tritonserver, qwen3_dir, tmp_path):
-    # the repository as shipped points at ../../tiny-qwen3, which a fresh clone does not have
-    shipped = tmp_path / "shipped"
-    shutil.copytree(REPO / "model_repository", shipped)
-    error = one_error_line(capsys, ["--model-repository", str(shipped)])
-    assert error.startswith("nanoserve serve: error: ") and "/1/model.json: model: " in error
-    assert f"{tmp_path}/tiny-qwen3 does not exist" in error
-    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, device="cpu")
+def test_a_repository_whose_every_model_fails_is_one_line(capsys, no_tritonserver, qwen3_dir, tmp_path):
+    """Before tritonserver starts: the first model's mistake, naming its file."""
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, models=["nanoserve"], device="cpu")
     edit_json(repo / "nanoserve" / "1" / "model.json", max_model_len=4096)
     assert f"{repo}/nanoserve/1/model.json: max_model_len: 4096 exceeds" in \
         one_error_line(capsys, ["--model-repository", str(repo)])
     edit_json(repo / "nanoserve" / "1" / "model.json", max_model_len=1024, max_num_seq=3)
     assert "unknown engine argument(s): max_num_seq" in one_error_line(capsys, ["--model-repository", str(repo)])
-    edit_json(repo / "nanoserve" / "1" / "model.json", max_num_seq=None)
+    (repo / "nanoserve" / "config.pbtxt").write_text('backend: nanoserve\n')  # not protobuf text: no quotes
+    assert f"{repo}/nanoserve/config.pbtxt:" in one_error_line(capsys, ["--model-repository", str(repo)])
+    assert "holds no model" in one_error_line(capsys, ["--model-repository", str(tmp_path / "repo" / "nanoserve")])
+
+
+def test_the_preflight_names_each_model_of_a_repository_that_cannot_load(qwen3_dir, tmp_path):
+    # the repository as shipped points at ../../tiny-qwen3, which a fresh clone does not have
+    shipped = tmp_path / "shipped"
+    shutil.copytree(REPO / "model_repository", shipped)
+    failing = preflight.check_repository(shipped)
+    assert sorted(failing) == ["nanoserve", "nanoserve_tokens"]  # the others do not read a checkpoint
+    for name, reason in failing.items():
+        assert reason.startswith(f"{shipped}/{name}/1/model.json: model: ")
+        assert f"{tmp_path}/tiny-qwen3 does not exist" in reason
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, device="cpu")
+    assert preflight.check_repository(repo) == {}
     shutil.rmtree(repo / "nanoserve_tokens")
-    assert f"{repo}/postprocessing/config.pbtxt: engine_model 'nanoserve_tokens' is not a model" in \
-        one_error_line(capsys, ["--model-repository", str(repo)])
+    failing = preflight.check_repository(repo)
+    assert failing["postprocessing"] == (f"{repo}/postprocessing/config.pbtxt: engine_model 'nanoserve_tokens' is "
+                                         f"not a model in {repo}")
     (repo / "ensemble" / "config.pbtxt").write_text("platform: ensemble\n")  # not protobuf text: no quotes
-    assert f"{repo}/ensemble/config.pbtxt:" in one_error_line(capsys, ["--model-repository", str(repo)])
+    assert preflight.check_repository(repo)["ensemble"].startswith(f"{repo}/ensemble/config.pbtxt:")
 
 
 def test_multi_lora_json_mistakes_name_the_file(capsys, no_tritonserver, qwen3_dir, lora_adapters, tmp_path):
@@ -188,6 +203,27 @@ def test_a_model_that_fails_to_load_is_one_line_from_the_log(capsys, qwen3_dir, 
     assert code == 1 and lines[-1].startswith("nanoserve serve: error: model 'nanoserve' did not load: "), lines
     assert "send_budget: must be a number in (0, 1], got '2'" in lines[-1] and f"(log: {tmp_path}/log)" in lines[-1]
     assert not any(line.startswith("nanoserve: ready") for line in lines)
+
+
+@pytest.mark.triton_server
+def test_a_repository_model_that_cannot_load_leaves_the_others_served(qwen3_dir, tmp_path):
+    """As tritonserver does (vllm_backend's CI has such a model): the others serve, Triton reports that one as
+    failed to load, and the banner says why."""
+    repo = launcher.make_model_repository(tmp_path / "repo", qwen3_dir, models=["nanoserve"], device="cpu",
+                                          cpu_kvcache_space_gib=0.125)
+    shutil.copytree(repo / "nanoserve", repo / "broken")
+    edit_json(repo / "broken" / "1" / "model.json", invalid_attribute=True)
+    with nanoserve_serve(None, tmp_path, "--model-repository", str(repo)) as served:
+        banner = "".join(served.output)
+        assert "nanoserve: ready: the repository's other models" in banner
+        assert (f"failed to load  broken: {repo}/broken/1/model.json: unknown engine argument(s): invalid_attribute"
+                in banner)
+        with urllib.request.urlopen(f"http://{served.url_http}/v2/repository/index", data=b"{}") as response:
+            index = {model["name"]: model for model in json.loads(response.read())}
+        assert index["nanoserve"]["state"] == "READY" and index["broken"]["state"] == "UNAVAILABLE"
+        assert "unknown engine argument(s): invalid_attribute" in index["broken"]["reason"]
+        result = stream.stream_grpc(served.url_grpc, "nanoserve", "Hello", {"max_tokens": 4, "ignore_eos": True})
+        assert result.num_output_tokens == 4 and result.finish_reason == "length"
 
 
 LOAD_FAILURE_LOG = '''I1125 07:32:39.994 9881 server.cc:241] "started"

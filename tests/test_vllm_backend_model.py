@@ -1,7 +1,9 @@
 """A vllm_backend model directory served by nanoserve with only `backend:` changed: vllm_backend's sample
 config.pbtxt and model.json (vLLM's engine argument names), plus `send_every_step` for vllm_backend's
-one-response-per-step streaming. Through a real tritonserver."""
+one-response-per-step streaming (and beside it the same model with `send_budget` 1). Through a real
+tritonserver."""
 import json
+import shutil
 import time
 
 import pytest
@@ -17,6 +19,9 @@ CONFIG = """backend: "nanoserve"
 instance_group [{ count: 1, kind: KIND_MODEL }]
 parameters { key: "send_every_step" value: { string_value: "true" } }
 """
+SOON = "vllm_model_send_budget_1"  # the same model, sending as soon as it can instead of once per step
+SOON_CONFIG = CONFIG.replace('key: "send_every_step" value: { string_value: "true" }',
+                             'key: "send_budget" value: { string_value: "1" }')
 # longer than any 12-token text (stop strings: at most 256 chars): all of it is held back to the end
 NEVER = "never-matching stop string " * 9
 
@@ -30,7 +35,10 @@ def server(qwen3_dir, tmp_path_factory):
     model_json = {"model": qwen3_dir, "disable_log_requests": True, "gpu_memory_utilization": 0.5,
                   "enforce_eager": True, "block_size": 8, "num_gpu_blocks_override": 64}
     (tmp / "repo" / MODEL / "1" / "model.json").write_text(json.dumps(model_json))
-    with running_server(tmp / "repo", tmp, models=[MODEL]) as server:
+    assert "send_budget" in SOON_CONFIG and "send_every_step" not in SOON_CONFIG
+    shutil.copytree(tmp / "repo" / MODEL, tmp / "repo" / SOON)
+    (tmp / "repo" / SOON / "config.pbtxt").write_text(SOON_CONFIG)
+    with running_server(tmp / "repo", tmp, models=[MODEL, SOON]) as server:
         yield server
 
 
@@ -40,7 +48,7 @@ def log_lines(server, text: str) -> list[str]:
 
 def test_vllm_argument_names_load_and_the_inapplicable_are_a_warning(server):
     lines = log_lines(server, "vLLM engine arguments that do not apply to nanoserve")
-    assert len(lines) == 1 and lines[0].startswith("W")  # Triton's warning format, from the stub
+    assert len(lines) == 2 and lines[0].startswith("W")  # one per model, in Triton's warning format
     assert lines[0].endswith('ignored: disable_log_requests"')
     values = metrics(server, MODEL)
     assert values["nanoserve_kv_blocks_total"] == 64  # num_gpu_blocks_override
@@ -61,6 +69,18 @@ def test_send_every_step_sends_one_response_per_token(server):
     assert len(streamed.responses) == 12  # one per engine step, as vllm_backend sends
     assert [r["num_output_tokens"][0] for r in streamed.responses] == [1] * 12
     assert streamed.texts[:11] == [""] * 11  # the text is held back (a possible stop string) until the end
+    assert streamed.text == whole.text and whole.text
+
+
+def test_send_budget_1_sends_held_back_text_as_empty_deltas(server):
+    """As vllm_backend does, a streamed step whose text is held back still sends a response, with "" (steps that
+    reach the response thread together are merged, so there may be fewer responses than steps)."""
+    params = {"max_tokens": 12, "ignore_eos": True, "temperature": 0, "stop": [NEVER]}
+    streamed = stream(server, SOON, text_input="The licence", stream=True, sampling_parameters=params)
+    whole = stream(server, SOON, text_input="The licence", exclude_input_in_output=True, sampling_parameters=params)
+    assert streamed.error is None and whole.error is None
+    assert len(streamed.responses) >= 2  # the first step's response is never held back: ""
+    assert streamed.texts[:-1] == [""] * (len(streamed.responses) - 1)
     assert streamed.text == whole.text and whole.text
 
 

@@ -91,7 +91,8 @@ def test_every_vllm_name_is_renamed_kept_or_ignored(vllm_only, own, renamed):
 
 @pytest.mark.parametrize("parameter, model_json, on", [
     ("", {}, False),  # vllm_backend's default: off
-    ("true", {}, True), ("TRUE", {"disable_log_stats": False}, True), ("false", {}, False), ("yes", {}, False),
+    ("true", {}, True), ("TRUE", {"disable_log_stats": False}, True), ("false", {}, False), ("no", {}, False),
+    ("yes", {}, True),  # nanoserve's one truth table (nanoserve/coercion.py); vllm_backend: only "true"
     ("true", {"disable_log_stats": True}, False), ("true", {"disable_log_stats": "true"}, False),
 ])
 def test_report_custom_metrics_switches_the_vllm_metrics_as_in_vllm_backend(parameter, model_json, on):

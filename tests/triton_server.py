@@ -140,13 +140,15 @@ class Served:
 
 @contextmanager
 def nanoserve_serve(model, log_dir, *flags, timeout: float = LOAD_TIMEOUT):
-    """`nanoserve serve MODEL --device cpu ... FLAGS` on free ports, yielded once it printed its banner (the
-    models are ready then). On exit: SIGTERM, exit code 0, tritonserver and its stubs gone."""
+    """`nanoserve serve MODEL --device cpu ... FLAGS` (model None: FLAGS name a --model-repository) on free ports,
+    yielded once it printed its banner (the models are ready then). On exit: SIGTERM, exit code 0, tritonserver
+    and its stubs gone."""
     http, grpc, metrics, openai = free_ports(4)
     log_file = Path(log_dir) / "tritonserver.log"
-    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", str(model), "--http-port", str(http), "--grpc-port",
+    engine = [] if model is None else [str(model), "--device", "cpu", "--cpu-kvcache-space-gib",
+                                       str(TEST_ENGINE_ARGS["cpu_kvcache_space_gib"])]
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", *engine, "--http-port", str(http), "--grpc-port",
            str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai), "--log-file", str(log_file),
-           "--device", "cpu", "--cpu-kvcache-space-gib", str(TEST_ENGINE_ARGS["cpu_kvcache_space_gib"]),
            "--exit-timeout-secs", "30", *flags]  # 30: stubs unload slowly on a busy machine; flags may override it
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     served = Served(process, http, grpc, metrics, openai)

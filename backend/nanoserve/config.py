@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from transformers import AutoConfig
 
+from nanoserve.coercion import from_text
 from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
@@ -184,26 +185,4 @@ def _require_positive_int(name: str, value) -> None:
 
 def coerce_engine_arg(name: str, value):
     """model.json values and command-line flags may arrive as strings ("true", "16"): the field's type."""
-    if not isinstance(value, str):
-        return value
-    kind = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name]
-    text = value.strip().lower()
-    if "bool" in kind:
-        if text in ("true", "1", "yes"):
-            return True
-        if text in ("false", "0", "no"):
-            return False
-        raise ValueError(f"{name}: expected a boolean, got {value!r}")
-    if "int" in kind and text not in ("none", "null"):
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{name}: expected an integer, got {value!r}") from None
-    if "float" in kind:
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{name}: expected a number, got {value!r}") from None
-    if text in ("none", "null"):
-        return None
-    return value
+    return from_text(name, {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name], value)

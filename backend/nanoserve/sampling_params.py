@@ -10,6 +10,8 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from nanoserve.coercion import from_text
+
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 MAX_TOP_K = 2 ** 63 - 1  # a 64-bit int; the sampler treats any value at or above the vocabulary as "off"
@@ -156,6 +158,11 @@ class SamplingParams:
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
+    def max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> int:
+        """The most tokens a request with this prompt length may generate: max_tokens, or by default whatever
+        max_model_len leaves (at least 1)."""
+        return max(max_model_len - num_prompt_tokens, 1) if self.max_tokens is None else self.max_tokens
+
     @classmethod
     def from_dict(cls, params: dict) -> "SamplingParams":
         """Build from JSON-like values; strings such as "32", "0.5", "true" or '["a"]' are accepted
@@ -167,28 +174,7 @@ class SamplingParams:
         if unknown:
             name = unknown[0] if unknown[0].strip() else f"sampling_parameters: {unknown[0]!r}"  # a blank key
             raise ValueError(f"{name}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
-        return cls(**{name: _parse(name, kinds[name], value) for name, value in params.items()})
-
-
-def _parse(name: str, kind: str, value):
-    if not isinstance(value, str) or kind == "list[str]":
-        return value
-    text = value.strip()
-    try:
-        if kind.startswith("bool"):
-            lowered = text.lower()
-            if lowered in ("true", "false"):
-                return lowered == "true"
-            raise ValueError
-        if kind.startswith("int"):
-            return int(text) if text.lower() not in ("null", "none") else None
-        if kind.startswith("float"):
-            return float(text)
-        if kind.startswith("list"):
-            return json.loads(text)
-    except ValueError:
-        raise ValueError(f"{name}: cannot parse {value!r} as {kind.split(' ')[0]}") from None
-    return value
+        return cls(**{name: from_text(name, kinds[name], value) for name, value in params.items()})
 
 
 def _json_object(name: str, value, what: str = "a JSON object") -> dict:

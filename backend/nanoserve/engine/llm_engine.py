@@ -71,9 +71,7 @@ class LLMEngine:
         sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         lora = self._lora(sampling_params.lora_name)
         prompt_ids = self.tokenize(prompt)
-        max_tokens = sampling_params.max_tokens
-        if max_tokens is None:  # documented default: generate until a stop condition or max_model_len
-            max_tokens = max(self.config.max_model_len - len(prompt_ids), 1)
+        max_tokens = sampling_params.max_tokens_for(len(prompt_ids), self.config.max_model_len)
         self.scheduler.check_admissible(len(prompt_ids), max_tokens)
         if grammar is None:
             grammar = self.compile_grammar(sampling_params)

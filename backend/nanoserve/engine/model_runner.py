@@ -4,6 +4,7 @@ executor builds one runner per rank and calls every rank's runner the same way."
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +15,7 @@ from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
+from nanoserve.engine.simulated_device import SimulatedDevice
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.kernels.cpu_ops import library as cpu_kernels
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
@@ -25,6 +27,7 @@ from nanoserve.models.lora import LoRAStore
 from nanoserve.sampling_params import SamplingParams
 
 
+logger = logging.getLogger(__name__)
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits (a [rows, vocab] float32 tensor) are computed at once
 
 
@@ -90,6 +93,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, self.block_size, eos_token_ids)
         self.sampler = Sampler(config.seed)
+        self.simulated = SimulatedDevice.from_env(config.seed)  # a benchmark tool: no forward, no sampler math
+        if self.simulated is not None:
+            logger.warning("nanoserve: %s", self.simulated.describe())
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.step_prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = {}  # the last forward's
@@ -173,6 +179,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
         rank 0's RunnerOutput (None on the other ranks)."""
+        if self.simulated is not None:
+            return self.simulate(out, bitmask)
         logits = self.run_model(out)
         return None if logits is None else self.sample(logits, bitmask)
 
@@ -180,10 +188,30 @@ class ModelRunner:
     def run_model(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Apply the step's diffs and run the forward: the float32 logits [sampling rows, vocab] in row order on
         rank 0, None on the other ranks."""
+        return self.forward(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Apply the step's diffs (rows, adapters) to the persistent batch: the step's inputs."""
         self.batch.update(out)
         for slot, adapter in out.lora_loads:
             self.loras.load(slot, adapter.id, adapter.path)
-        return self.forward(self.batch.prepare(out))
+        return self.batch.prepare(out)
+
+    @torch.inference_mode()
+    def simulate(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
+        """execute() on the simulated device: the same host work (inputs prepared and uploaded, then the sampling
+        metadata while the device runs), random ids for the forward and the sampler's math."""
+        inputs = self.prepare(out)
+        self._upload(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+                     inputs.query_start_loc, inputs.seq_lens, inputs.block_tables)
+        step = self.simulated.launch(len(inputs.input_ids), len(inputs.logits_indices),
+                                     self.config.hf_config.vocab_size)
+        if get_tp_rank():
+            return None
+        meta = self.batch.sampling_metadata(self.device, bitmask)
+        token_ids = step.token_ids()
+        return RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
+                            {row: ([], [], 1) for row in meta.logprob_rows})
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.

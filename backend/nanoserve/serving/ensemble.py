@@ -41,9 +41,9 @@ CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's cli
 
 
 # ---- token model side (a formatter for the response thread) ---------------------------------------------
-def token_formatter(tokenizer, every_step: bool = False):
+def token_formatter(tokenizer, send_empty: bool = False):
     """The token model's formatter for the response thread, knowing the engine tokenizer's special ids. Every
-    streamed step has new ids to send, so every_step (see text_formatter) changes nothing here."""
+    streamed step has new ids to send, so send_empty (see text_formatter) changes nothing here."""
     special_ids = special_token_ids(tokenizer)
     token_text = token_decoder(tokenizer)
     return lambda stream, outputs: token_arrays(stream, outputs, special_ids, token_text)

@@ -33,7 +33,7 @@ from pathlib import Path
 from nanoserve import openmp
 from nanoserve.cache import build_once, default_cache_dir
 from nanoserve.tiny_model import build_tiny_model
-from nanoserve.serving import drain, liveness
+from nanoserve.serving import drain, liveness, triton_log
 
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
@@ -235,6 +235,22 @@ class TritonServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_excerpt()}")
             time.sleep(0.2)
+
+    def is_live(self) -> bool:
+        """tritonserver answers: the models it loads at startup are loaded, or failed to load, by then."""
+        return self._http_ok("/v2/health/live")
+
+    def model_states(self) -> dict[str, tuple[str, str]]:
+        """The repository index: model -> (state, the first line of its reason), e.g. ("UNAVAILABLE", "ValueError:
+        ...") for a model that failed to load, ("", "") for one not loaded; {} when the index does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://{self.url_http}/v2/repository/index", data=b"{}",
+                                        timeout=30) as response:
+                index = json.loads(response.read())
+        except (OSError, ValueError):
+            return {}
+        return {model["name"]: (model.get("state", ""), triton_log.message(model.get("reason", "")))
+                for model in index}
 
     def is_ready(self, models=()) -> bool:
         paths = ["/v2/health/ready"] + [f"/v2/models/{name}/ready" for name in models]

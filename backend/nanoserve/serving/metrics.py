@@ -30,6 +30,7 @@ VLLM_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.7
                     40.0, 80.0]
 VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0]
+VLLM_N_BUCKETS = [1, 2, 5, 10, 20]  # vllm:request_params_n (vLLM's and vllm_backend's)
 PUBLISH_INTERVAL = 0.5  # seconds between publishes while requests run; Prometheus scrapes every few seconds
 SAMPLES_PER_ROUND = 256  # histogram samples per publish (a few ms of IPC), then the response thread sends again
 
@@ -79,6 +80,10 @@ def vllm_families(max_model_len: int) -> list[tuple]:
         ("prompt_length", "histogram", "vllm:request_prompt_tokens", "Prompt length of finished requests", lengths),
         ("generation_length", "histogram", "vllm:request_generation_tokens", "Output length of finished requests",
          lengths),
+        ("params_n", "histogram", "vllm:request_params_n", "The n request parameter of finished requests",
+         VLLM_N_BUCKETS),
+        ("params_max_tokens", "histogram", "vllm:request_params_max_tokens",
+         "The max_tokens request parameter of finished requests (its default where not given)", lengths),
     ]
 
 
@@ -109,6 +114,7 @@ class Metrics:
         self._samples: list = []  # (histogram, value) not published yet
         self._published_gauges: dict = {}
         self._engine_totals: dict[str, int] = {}  # quantity -> the engine's running total at the last record
+        self.max_model_len = max_model_len
 
     def _family(self, kind: str, name: str, description: str):
         kinds = {"gauge": self._family_cls.GAUGE, "counter": self._family_cls.COUNTER,
@@ -154,12 +160,17 @@ class Metrics:
     def record_generated(self, num_tokens: int) -> None:
         self._count("generation_tokens", num_tokens)
 
-    def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_output_tokens: int) -> None:
+    def record_finished(self, reason: str, e2e: float, num_prompt_tokens: int, num_output_tokens: int,
+                        params=None) -> None:
+        """A finished request; params: its SamplingParams (n and max_tokens for vLLM's histograms)."""
         if reason in self.finished:
             self._increments[self.finished[reason]] = self._increments.get(self.finished[reason], 0) + 1
         self._observe("e2e", e2e)
         self._observe("prompt_length", num_prompt_tokens)
         self._observe("generation_length", num_output_tokens)
+        if params is not None:
+            self._observe("params_n", params.n)
+            self._observe("params_max_tokens", params.max_tokens_for(num_prompt_tokens, self.max_model_len))
 
     def _count(self, quantity: str, increment) -> None:
         if increment > 0:

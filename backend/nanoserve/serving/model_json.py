@@ -16,6 +16,7 @@ import json
 import logging
 import os
 
+from nanoserve.coercion import optional_bool
 from nanoserve.config import EngineConfig, with_own_names
 from nanoserve.models.gguf import as_checkpoint_dir
 from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
@@ -56,12 +57,8 @@ def _is_vllm_arg(name: str) -> bool:
 def reports_vllm_metrics(report_custom_metrics: str, model_json: dict) -> bool:
     """vllm_backend's switch for the vllm:* metrics: config.pbtxt parameter REPORT_CUSTOM_METRICS "true" (absent:
     off), unless model.json's disable_log_stats is true."""
-    return is_true(report_custom_metrics) and not is_true(model_json.get("disable_log_stats", False))
-
-
-def is_true(value) -> bool:
-    """A boolean as config.pbtxt parameters and model.json give it: true, "true" (any case) or "1"."""
-    return str(value).strip().lower() in ("true", "1")
+    return (optional_bool("REPORT_CUSTOM_METRICS", report_custom_metrics)
+            and not optional_bool("disable_log_stats", model_json.get("disable_log_stats")))
 
 
 def read_model_json(model_dir: str, version: str = "1") -> dict:
@@ -86,7 +83,7 @@ def lora_modules(model_dir: str, version: str = "1") -> dict[str, str]:
     """The LoRA adapters a model serves, {name: adapter directory}: `<model_dir>/<version>/multi_lora.json`
     (vllm_backend's convention; relative paths resolve against its folder) when model.json's enable_lora is true,
     else none."""
-    if not is_true(read_model_json(model_dir, version).get("enable_lora", False)):
+    if not optional_bool("enable_lora", read_model_json(model_dir, version).get("enable_lora")):
         return {}
     path = os.path.join(model_dir, str(version), MULTI_LORA_JSON)
     try:

@@ -110,24 +110,37 @@ def is_engine_model(config: model_config_pb2.ModelConfig) -> bool:
     return config.backend == "nanoserve"
 
 
-def check_repository(repository: Path) -> None:
+def check_repository(repository: Path) -> dict[str, str]:
     """Every model's config.pbtxt parses; every nanoserve model's model.json holds valid engine arguments for a
     checkpoint that loads; every model naming an `engine_model` (the ensemble's pre/postprocessing) names one
-    in the repository whose checkpoint exists."""
+    in the repository. Returns the models that fail, each with its one-line reason: tritonserver serves the others.
+    ConfigError when the repository holds no model, or every model fails (the first one's reason)."""
     if not repository.is_dir():
         raise ConfigError(f"--model-repository: {repository} is not a directory")
     model_dirs = sorted(p for p in repository.iterdir() if (p / "config.pbtxt").is_file())
     if not model_dirs:
         raise ConfigError(f"--model-repository: {repository} holds no model (a folder with config.pbtxt)")
+    failures = {}
     for model_dir in model_dirs:
-        config = read_model_config(model_dir)
-        if is_engine_model(config):
-            for version_dir in _version_dirs(model_dir):
-                check_model_json(model_dir, version_dir.name)
-        engine_model = config.parameters["engine_model"].string_value if "engine_model" in config.parameters else ""
-        if engine_model and not (repository / engine_model / "config.pbtxt").is_file():
-            raise ConfigError(f"{model_dir / 'config.pbtxt'}: engine_model {engine_model!r} is not a model in "
-                              f"{repository}")
+        try:
+            check_model(repository, model_dir)
+        except ConfigError as e:
+            failures[model_dir.name] = str(e)
+    if len(failures) == len(model_dirs):
+        raise ConfigError(next(iter(failures.values())))
+    return failures
+
+
+def check_model(repository: Path, model_dir: Path) -> None:
+    """One model of the repository (see check_repository); ConfigError naming the file."""
+    config = read_model_config(model_dir)
+    if is_engine_model(config):
+        for version_dir in _version_dirs(model_dir):
+            check_model_json(model_dir, version_dir.name)
+    engine_model = config.parameters["engine_model"].string_value if "engine_model" in config.parameters else ""
+    if engine_model and not (repository / engine_model / "config.pbtxt").is_file():
+        raise ConfigError(f"{model_dir / 'config.pbtxt'}: engine_model {engine_model!r} is not a model in "
+                          f"{repository}")
 
 
 def _version_dirs(model_dir: Path) -> list[Path]:

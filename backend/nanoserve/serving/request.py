@@ -11,6 +11,7 @@ from typing import Callable
 
 import numpy as np
 
+from nanoserve.coercion import optional_bool
 from nanoserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # return_<name> flags and the optional outputs they switch on
@@ -187,13 +188,7 @@ def json_object(name: str, text: str | bytes) -> dict:
 def _flag(get: Getter, name: str, fallback) -> bool:
     array = get(name)
     value = fallback if array is None else single(name, array)
-    if value is None:
-        return False
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
-        return bool(value)
-    raise ValueError(f"{name}: expected a boolean, got {value!r}")
+    return optional_bool(name, value)
 
 
 def _scalar_tensors(get: Getter) -> dict:

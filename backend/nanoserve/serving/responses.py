@@ -380,7 +380,8 @@ class ResponseThread:
         last = max((sample.last for sample in stream.samples if sample.last is not None), key=lambda o: o.finished)
         end = stream.last_token or time.monotonic()
         self.metrics.record_finished(last.finish_reason, end - stream.arrival, last.num_prompt_tokens,
-                                     sum(len(sample.token_ids) for sample in stream.samples))
+                                     sum(len(sample.token_ids) for sample in stream.samples),
+                                     stream.request.sampling_params)
         longest = max(len(sample.token_ids) for sample in stream.samples)
         if stream.first_token is not None and longest > 1:
             # one sample per request, its mean (genai-perf's inter-token latency): a sample per token would be
@@ -448,11 +449,12 @@ class Entry(NamedTuple):
     output: object
 
 
-def text_formatter(tokenizer, every_step: bool = False):
+def text_formatter(tokenizer, send_empty: bool = False):
     """The text model's formatter for the response thread, decoding logprobs' tokens with the engine's tokenizer.
-    every_step: a streamed step whose text is held back still gets a response (an empty delta)."""
+    send_empty: streamed outputs whose text is held back still get a response (an empty delta), as vllm_backend
+    sends one per step."""
     token_text = token_decoder(tokenizer)
-    return lambda stream, outputs: text_arrays(stream, outputs, token_text, every_step)
+    return lambda stream, outputs: text_arrays(stream, outputs, token_text, send_empty)
 
 
 def token_decoder(tokenizer):
@@ -463,14 +465,14 @@ def token_decoder(tokenizer):
     return token_text
 
 
-def text_arrays(stream: Stream, outputs: list, token_text, every_step: bool = False) -> dict | None:
+def text_arrays(stream: Stream, outputs: list, token_text, send_empty: bool = False) -> dict | None:
     """Text model: one entry per sample in every output tensor. Streaming sends each sample's delta (never the
     prompt; empty for a sample with nothing new); otherwise one response when the request has finished. Runs for
     every streamed response, so its checks are loops rather than generators."""
     request = stream.request
     if not request.stream:
         return whole_text_arrays(stream, outputs, token_text)
-    token_level, send, prompt_logprobs = bool(request.outputs & TOKEN_LEVEL_OUTPUTS), every_step, None
+    token_level, send, prompt_logprobs = bool(request.outputs & TOKEN_LEVEL_OUTPUTS), send_empty, None
     for output in outputs:
         send = send or output.text_delta or output.finished or (token_level and output.new_token_ids)
         if output.prompt_logprobs is not None:

@@ -5,7 +5,9 @@ run tritonserver, and once its models are ready start the OpenAI-compatible API 
     nanoserve serve --model-repository DIR
 
 A configuration mistake is one line on stderr and exit code 2, before tritonserver starts; a model that fails
-to load is one line (its error, from tritonserver's log) and exit code 1.
+to load is one line (its error, from tritonserver's log) and exit code 1. In a repository, as in tritonserver,
+a model that fails to load leaves the others served: the banner names it and why (exit code 1 only when no model
+loaded).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanoserve.config import EngineConfig
@@ -32,10 +34,12 @@ DEFAULT_OPENAI_PORT = 9000
 
 @dataclass
 class Plan:
-    """What to serve: a model repository, the models to wait for, and what the banner says about them."""
+    """What to serve: a model repository, the models to wait for ([]: a repository's, whichever tritonserver
+    loads), and what the banner says about them."""
     repository: Path
     models: list[str]
     description: str
+    failing: dict[str, str] = field(default_factory=dict)  # a repository's models that cannot load, and why
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,8 +117,8 @@ def _existing_repository(args: argparse.Namespace) -> Plan:
                           "--report-custom-metrics and --lora-modules are for MODEL; a repository sets them in its "
                           "model.json, multi_lora.json, config.pbtxt and folders")
     repository = Path(args.model_repository).resolve()
-    preflight.check_repository(repository)
-    return Plan(repository, [], f"model repository {repository}")
+    failing = preflight.check_repository(repository)
+    return Plan(repository, [], f"model repository {repository}", failing)
 
 
 def _lora_modules(given: list[str] | None, config: EngineConfig) -> dict[str, str]:
@@ -169,6 +173,8 @@ def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
 # ---- tritonserver and the OpenAI API --------------------------------------------------------------------
 def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
     log_file = _log_file(args)
+    if not plan.models:  # a repository: a model that fails to load must not stop the others (the user's flag wins)
+        extra = ["--exit-on-error=false", *extra]
     server = launcher.TritonServer(plan.repository, args.http_port, args.grpc_port, args.metrics_port,
                                    host=args.host, log_verbose=args.log_verbose,
                                    exit_timeout_secs=args.exit_timeout_secs,
@@ -179,6 +185,9 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
         server.start()
         if not _wait_ready(server, plan.models, signals.received):
             return _stopped(server, signals.received)
+        failed = _load_failures(server, plan)
+        if failed is None:  # none of the repository's models loaded
+            return _stopped(server, signals.received)
         try:
             api = _start_openai_api(args, server, plan)
         except RuntimeError as e:
@@ -187,7 +196,7 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
             return 1
         supervision = supervisor.Supervisor(server, plan.models or liveness.text_models(server.url_http),
                                             args.liveness_timeout)
-        _banner(args, server, plan, api, log_file)
+        _banner(args, server, plan, api, log_file, failed)
         healthy = supervision.run(signals.received)
         if healthy and signals.received and server.poll() is None:
             _drain(server, args.exit_timeout_secs, signals.received)
@@ -216,14 +225,28 @@ def _log_file(args: argparse.Namespace) -> Path | None:
 
 
 def _wait_ready(server: launcher.TritonServer, models: list[str], received: list[int]) -> bool:
-    """Until the models are ready (True), or tritonserver exited or a signal came (False)."""
+    """Until the models are ready, or for a repository ([]) until tritonserver has loaded what it loads at startup
+    (True), or tritonserver exited or a signal came (False)."""
     while not received:
         if server.poll() is not None:
             return False
-        if server.is_ready(models):
+        if server.is_ready(models) if models else server.is_live():
             return True
         time.sleep(0.2)
     return False
+
+
+def _load_failures(server: launcher.TritonServer, plan: Plan) -> dict[str, str] | None:
+    """A repository's models that failed to load, and why (the preflight's reason where it found one); None when
+    some failed and none loaded."""
+    if plan.models:
+        return {}
+    states = server.model_states()
+    failed = {name: plan.failing.get(name, reason) for name, (state, reason) in states.items()
+              if state == "UNAVAILABLE"}
+    if failed and not any(state == "READY" for state, _ in states.values()):
+        return None
+    return failed
 
 
 def _stopped(server: launcher.TritonServer, received: list[int]) -> int:
@@ -246,9 +269,11 @@ def _start_openai_api(args, server, plan: Plan):
                         metrics_url=server.url_metrics).start()
 
 
-def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None) -> None:
-    models = ", ".join(plan.models) or "every model in the repository"
+def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None,
+            failed: dict[str, str]) -> None:
+    models = ", ".join(plan.models) or ("the repository's other models" if failed else "every model in the repository")
     lines = [f"nanoserve: ready: {models} ({plan.description})"]
+    lines += [f"  failed to load  {name}: {reason}" for name, reason in failed.items()]
     if api is not None:
         lines.append(f"  OpenAI API    {api.url}")
     lines += [f"  Triton HTTP   http://{server.url_http}    gRPC {server.url_grpc}",

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from nanoserve.coercion import optional_bool
 from nanoserve.thread_names import set_os_thread_name
 
 MARGIN = 3.0  # seconds before the exit timeout: a polling interval, sending the errors, unloading the model
@@ -37,10 +38,10 @@ class ServerArgs:
             name, sep, value = arg.partition("=")
             if name.startswith("--"):
                 values[name[2:]] = value if sep else (argv[i + 1] if i + 1 < len(argv) else "")
-        if values.get("allow-http", "true").lower() in ("false", "0", "no"):
-            return None
         host = values.get("http-address", "0.0.0.0")
         try:
+            if not optional_bool("allow-http", values.get("allow-http"), default=True):
+                return None
             return cls("127.0.0.1" if host in ("0.0.0.0", "") else host, int(values.get("http-port", 8000)),
                        float(values.get("exit-timeout-secs", DEFAULT_EXIT_TIMEOUT)))
         except ValueError:

@@ -15,18 +15,19 @@ def failure(log: str) -> str | None:
     for line in log.splitlines():
         found = LOAD_FAILURE.search(line)
         if found:
-            return f"model '{found['model']}' did not load: {_message(found['message'])}"
+            return f"model '{found['model']}' did not load: {message(found['message'])}"
     for line in log.splitlines():
         found = ERROR_LINE.match(line)
         if found and not any(noise in line for noise in NOISE):
-            return _message(found["message"])
+            return message(found["message"])
     last = [line for line in log.splitlines() if line.startswith("error: ")]
     return last[-1][len("error: "):] if last else None
 
 
-def _message(text: str) -> str:
-    """The message without the Python traceback Triton appends ("\\n\\nAt:\\n  file(line): ...") or quotes."""
-    text = text.split("\\n")[0].rstrip('"').strip()
+def message(text: str) -> str:
+    """The message without the Python traceback Triton appends ("\\n\\nAt:\\n  file(line): ...", escaped in
+    the log) or quotes."""
+    text = text.split("\\n")[0].split("\n")[0].rstrip('"').strip()
     for prefix in PREFIXES:
         text = text[len(prefix):] if text.startswith(prefix) else text
     return text
