@@ -22,8 +22,21 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kWidth = Vec::size();
 
+using Fp8 = c10::Float8_e4m3fn;  // an fp8 KV cache's elements (kv_cache_dtype="fp8")
+
+// An e4m3 byte's sign, exponent and mantissa moved into a float16's places make the same number times 2^-8
+// (subnormals too): a shift, and F16C's vectorized conversion, instead of c10's bit arithmetic per element. The
+// decode kernel multiplies the 2^8 back into its scales (kFp8Unit).
+constexpr float kFp8Unit = 256.f;
+inline uint16_t fp8_as_half_bits(uint8_t x) { return static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7)); }
+
 template <typename T>
-inline float f32(T x) { return static_cast<float>(x); }
+inline float f32(T x) {
+  if constexpr (std::is_same_v<T, Fp8>)
+    return static_cast<float>(c10::Half(fp8_as_half_bits(x.x), c10::Half::from_bits()));
+  else
+    return static_cast<float>(x);
+}
 
 // rows per task for elementwise work, as torch sizes its own: a step's few rows run on the calling thread, where
 // waking the other threads would cost more than the work (and a busy core would stall every call)
@@ -32,27 +45,26 @@ inline int64_t grain_rows(int64_t row_numel) { return std::max<int64_t>(1, at::i
 template <typename T>
 inline float round_to(float x) { return static_cast<float>(static_cast<T>(x)); }
 
-using Fp8 = c10::Float8_e4m3fn;  // an fp8 KV cache's elements (kv_cache_dtype="fp8")
-
-// the 256 values of an fp8 e4m3 byte, as float32: one table lookup per element instead of c10's bit arithmetic
-inline const float* fp8_values() {
-  static const std::vector<float> values = [] {
-    std::vector<float> all(256);
-    for (int bits = 0; bits < 256; ++bits) all[bits] = static_cast<float>(Fp8(bits, Fp8::from_bits()));
-    return all;
-  }();
-  return values.data();
-}
-
 template <typename T>
 inline Vec load_float(const T* x) {  // kWidth elements as float32
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(x);
-  } else if constexpr (std::is_same_v<T, Fp8>) {
-    const float* values = fp8_values();
-    float buf[kWidth];
-    for (int64_t i = 0; i < kWidth; ++i) buf[i] = values[x[i].x];
-    return Vec::loadu(buf);
+  } else if constexpr (std::is_same_v<T, Fp8>) {  // times 2^-8, as f32
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x80)), 8),
+                                         _mm256_slli_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x7F)), 7));
+    return Vec(_mm512_cvtph_ps(bits));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x)));
+    const __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8),
+                                      _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x7F)), 7));
+    return Vec(_mm256_cvtph_ps(bits));
+#else
+    uint16_t bits[kWidth];
+    for (int64_t i = 0; i < kWidth; ++i) bits[i] = fp8_as_half_bits(x[i].x);
+    return load_float(reinterpret_cast<const c10::Half*>(bits));
+#endif
   } else {
     Vec v;
     at::vec::load_to_float(x, v);
@@ -232,7 +244,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
     decodes.push_back(b);
   }
   std::sort(decodes.begin(), decodes.end(), [&](int64_t a, int64_t b) { return len[a] > len[b]; });
-  const float q_scale = static_cast<float>(scale * k_scale), out_scale = static_cast<float>(v_scale);
+  const float unit = fp8 ? kFp8Unit : 1.f;
+  const float q_scale = static_cast<float>(scale * k_scale) * unit, out_scale = static_cast<float>(v_scale) * unit;
   DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
     if (fp8)
       decode_rows<scalar_t, Fp8>(out, q, k_cache, v_cache, tables, start, len, decodes, q_scale, out_scale);
