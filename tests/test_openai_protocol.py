@@ -1,5 +1,7 @@
 """The OpenAI API's parts without a server: request parsing (property-tested against SamplingParams), chat
 rendering, the logprobs conversions, errors."""
+import logging
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +12,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.openai_api.chat import render_chat
 from nanoserve.serving.openai_api.errors import APIError
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat
-from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs
+from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs, top_prompt_logprobs
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.serving.openai_api.triton import Chunk, triton_error
 from nanoserve.tiny_model import build_tokenizer
@@ -39,20 +41,43 @@ def test_chat_sampling_parameters_are_valid_or_a_400_naming_a_request_field(valu
         assert error.message.startswith(error.param)
         return
     sampling = SamplingParams.from_dict(params)
-    expected_max = values.get("max_completion_tokens") or values.get("max_tokens")
-    assert sampling.max_tokens == (expected_max if expected_max is not None else None)
+    expected_max = values.get("max_completion_tokens")
+    assert sampling.max_tokens == (values.get("max_tokens") if expected_max is None else expected_max)
     assert sampling.logprobs == ((values.get("top_logprobs") or 0) if values.get("logprobs") else None)
 
 
-def test_completion_prompt_is_one_non_empty_string():
-    assert CompletionRequest(model="m", prompt=["Hi"]).prompt_text() == "Hi"
-    for prompt, message in ((["a", "b"], "one prompt per request"), ("", "empty")):
-        with pytest.raises(APIError, match=message):
-            CompletionRequest(model="m", prompt=prompt).prompt_text()
-    with pytest.raises(ValidationError):
-        CompletionRequest(model="m", prompt="x", logit_bias={})  # unknown parameters are refused
-    with pytest.raises(APIError, match="token id prompts"):
-        CompletionRequest(model="m", prompt=[1, 2]).prompt_text()
+def test_completion_prompts_text_or_token_ids_checked_against_the_vocabulary():
+    def prompts(prompt):
+        return CompletionRequest(model="m", prompt=prompt).prompts(vocab_size=100)
+
+    assert prompts("Hi") == ["Hi"] and prompts(["Hi", "yo"]) == ["Hi", "yo"]
+    assert prompts([5, 0, 99]) == [[5, 0, 99]] and prompts([[5], [6, 7]]) == [[5], [6, 7]]
+    assert prompts(["Hi", [6, 7]]) == ["Hi", [6, 7]]  # vLLM takes a mix too
+    for prompt, message in (("", "prompt: empty"), (["a", ""], "prompt.1: empty"), ([], "prompt: expected"),
+                            ([1, "a", 2], "prompt: expected"), ([[1], [-1]], "prompt: expected"),
+                            ([True], "prompt: expected"), ([1.5], "prompt: expected"),
+                            ([3, 100], r"prompt.1: token id 100 is outside the vocabulary \[0, 100\)"),
+                            ([[1], [2, 3, 200]], "prompt.1.2: token id 200")):
+        with pytest.raises(APIError, match=message) as error:
+            prompts(prompt)
+        assert error.value.param == "prompt" and error.value.status == 400
+
+
+def test_unknown_fields_are_ignored_with_a_warning_and_openais_unsupported_ones_refused(caplog):
+    request = CompletionRequest(model="m", prompt="x", vendor_extra=1, another={"a": 1})
+    with caplog.at_level(logging.WARNING, logger="nanoserve.openai"):
+        request.check()
+    [record] = caplog.records
+    assert "another, vendor_extra" in record.getMessage()
+    for body, name in (({"prompt": "x", "best_of": 2}, "best_of"), ({"prompt": "x", "suffix": "y"}, "suffix")):
+        with pytest.raises(APIError) as error:
+            CompletionRequest(model="m", **body).check()
+        assert error.value.param == name and error.value.message.startswith(f"{name}:")
+    with pytest.raises(APIError) as error:
+        ChatCompletionRequest(model="m", messages=MESSAGES, tools=[]).check()
+    assert error.value.param == "tools"
+    with pytest.raises(ValidationError):  # inside a message, an unknown field is still a 400 naming it
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x", "bogus": 1}])
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -104,25 +129,65 @@ def test_logprobs_in_openais_shapes():
     [token] = chat_logprobs([ENTRY], top_n=1)
     assert token == {"token": "é", "logprob": -2.0, "bytes": [0xc3, 0xa9],
                      "top_logprobs": [{"token": " a", "logprob": -0.1, "bytes": [32, 97]}]}
-    assert completion_logprobs([ENTRY, ENTRY], text_offset=5) == {
+    assert completion_logprobs([ENTRY, ENTRY], text_offset=5, top_n=2) == {
         "tokens": ["é", "é"], "token_logprobs": [-2.0, -2.0], "text_offset": [5, 6],
-        "top_logprobs": [{"é": -2.0, " a": -0.1, "b": -0.5}] * 2}
+        "top_logprobs": [{"é": -2.0, " a": -0.1, "b": -0.5}] * 2, "end": 7}
+    assert completion_logprobs([ENTRY], text_offset=0, top_n=1)["top_logprobs"] == [{"é": -2.0, " a": -0.1}]
+    assert top_prompt_logprobs([None, ENTRY], top_n=1) == [None, {k: ENTRY[k] for k in ("7", "3")}]
 
 
 def test_stream_events_and_the_whole_response_agree():
     request = ChatCompletionRequest(model="m", messages=MESSAGES, stream=True, logprobs=True,
                                     stream_options={"include_usage": True})
     chunks = [Chunk(["Hé"], [None], [2], [[ENTRY, ENTRY]], 5), Chunk(["llo"], ["length"], [1], [[ENTRY]], 5, True)]
-    streamed = ChatFormat(request, "prompt")
+    streamed = ChatFormat(request, ["prompt"])
     events = streamed.start() + [e for chunk in chunks for e in streamed.events(chunk)] + streamed.end()
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "Héllo"
     assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1]["choices"] == []
     assert events[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
-    whole = ChatFormat(request, "prompt").full(chunks)["choices"][0]
+    whole = ChatFormat(request, ["prompt"]).full(chunks)["choices"][0]
     assert whole["message"]["content"] == "Héllo" and whole["finish_reason"] == "length"
     assert len(whole["logprobs"]["content"]) == 3
-    echoed = CompletionFormat(CompletionRequest(model="m", prompt="Say", echo=True, logprobs=0), "Say")
-    assert echoed.full(chunks)["choices"][0]["logprobs"]["text_offset"] == [3, 4, 5]
+
+
+PROMPT_LOGPROBS = [None, {"9": {"logprob": -1.5, "rank": 3, "decoded_token": "ay"},
+                          "3": {"logprob": -0.1, "rank": 1, "decoded_token": " a"}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_puts_the_prompt_tokens_first_for_each_prompt_and_sample(stream):
+    """Two prompts, n=2: choice p * 2 + s; each starts with its prompt's text and, with logprobs, its tokens (the
+    first null), then the generated ones, the offsets running on; streamed, the first event of each choice."""
+    request = CompletionRequest(model="m", prompt=["Say", "Say"], echo=True, logprobs=1, n=2, stream=stream,
+                                prompt_logprobs=0)
+    fmt = CompletionFormat(request, [[8, 9], [8, 9]], ["Say", "Say"], ["S", "S"])
+    chunks = [Chunk(["x", "é"], [None, "length"], [1, 1], [[ENTRY], [ENTRY]], 2, prompt_logprobs=PROMPT_LOGPROBS,
+                    prompt_index=1),
+              Chunk(["", "é"], ["length", "length"], [0, 1], [[], [ENTRY]], 2, True, PROMPT_LOGPROBS),
+              Chunk(["y"], ["length"], [1], [[ENTRY]], 2, True, prompt_index=1)]
+    if stream:
+        events = [e for chunk in chunks for e in fmt.events(chunk)]
+        choices = {}
+        for choice in (c for e in events for c in e["choices"]):
+            whole = choices.setdefault(choice["index"], {"text": "", "logprobs": None, "prompt_logprobs": []})
+            whole["text"] += choice["text"]
+            whole["prompt_logprobs"].append(choice.get("prompt_logprobs"))
+            if whole["logprobs"] is None:
+                whole["logprobs"] = choice["logprobs"]
+            elif choice["logprobs"]:
+                whole["logprobs"] = {k: whole["logprobs"][k] + choice["logprobs"][k] for k in choice["logprobs"]}
+        assert [p for p in choices[2]["prompt_logprobs"] if p is not None] == [[None, {"9": PROMPT_LOGPROBS[1]["9"]}]]
+    else:
+        body = fmt.full(chunks)
+        choices = {c["index"]: c for c in body["choices"]}
+        assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+        assert choices[0]["prompt_logprobs"] == [None, {"9": PROMPT_LOGPROBS[1]["9"]}]
+    assert sorted(choices) == [0, 1, 2, 3]
+    assert [choices[i]["text"] for i in range(4)] == ["Say", "Sayé", "Sayxy", "Sayé"]
+    assert choices[2]["logprobs"] == {"tokens": ["S", "ay", "é", "é"], "token_logprobs": [None, -1.5, -2.0, -2.0],
+                                      "top_logprobs": [None, {"ay": -1.5, " a": -0.1}] + [{"é": -2.0, " a": -0.1}] * 2,
+                                      "text_offset": [0, 1, 3, 4]}
+    assert choices[0]["logprobs"]["tokens"] == ["S", "ay"]  # nothing generated
 
 
 @pytest.mark.parametrize("message, status, param", [

@@ -24,6 +24,8 @@ from nanoserve.serving.openai_api.errors import APIError, bad_request, from_fiel
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.engine.tokenize import encode_prompt_text, token_decoder
+from nanoserve.serving.openai_api.tokenizer_routes import add_tokenizer_routes
 from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
 
 
@@ -73,21 +75,37 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        body.check_utf8()
-        target = await request.app.state.models.require(body.model)
-        prompt = body.prompt_text()
-        return await respond(request, CompletionFormat(body, prompt), target)
+        body.check()
+        models = request.app.state.models
+        target = await models.require(body.model)
+        tokenizer = await models.tokenizer(target.model)
+        fmt = await asyncio.to_thread(completion_format, body, tokenizer)
+        return await respond(request, fmt, target)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        body.check_utf8()
+        body.check()
         models = request.app.state.models
         target = await models.require(body.model)
         messages = [message.template_dict() for message in body.messages]
         prompt = render_chat(await models.tokenizer(target.model), messages, body.chat_template_kwargs)
-        return await respond(request, ChatFormat(body, prompt), target)
+        return await respond(request, ChatFormat(body, [prompt]), target)
 
+    add_tokenizer_routes(app)
     return app
+
+
+def completion_format(body: CompletionRequest, tokenizer) -> CompletionFormat:
+    """The request's prompts as the engine takes them, and what echo shows of them. With echo and logprobs a text
+    prompt is tokenized here (as the engine would: engine/tokenize.py), so that its first token is known."""
+    prompts = body.prompts(len(tokenizer))
+    echoes = [prompt if isinstance(prompt, str) else tokenizer.decode(prompt) for prompt in prompts]
+    first_tokens = []
+    if body.echoes_logprobs:
+        prompts = [encode_prompt_text(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+        token_text = token_decoder(tokenizer)
+        first_tokens = [token_text(prompt[0]) for prompt in prompts]
+    return CompletionFormat(body, prompts, echoes, first_tokens)
 
 
 def read_text(url: str, timeout: float = 10.0) -> str:
@@ -112,8 +130,12 @@ async def respond(request: Request, fmt: Format, target: Target):
     parameters = body.sampling_parameters()
     if target.lora_name is not None:
         parameters["lora_name"] = target.lora_name
-    inputs = request_inputs(fmt.prompt, parameters, body.stream, body.top_logprobs_count is not None)
-    chunks = generate(request.app.state.client, target.model, inputs, request_id=uuid.uuid4().hex)
+    prompt_logprobs = getattr(body, "wants_prompt_logprobs", False)
+    streams = [generate(request.app.state.client, target.model,
+                        request_inputs(prompt, parameters, body.stream, body.top_logprobs_count is not None,
+                                       prompt_logprobs), request_id=uuid.uuid4().hex, prompt_index=index)
+               for index, prompt in enumerate(fmt.prompts)]
+    chunks = streams[0] if len(streams) == 1 else merged(streams)
     try:
         if not body.stream:
             return JSONResponse(fmt.full(await unless_disconnected(request, collect(chunks))))
@@ -124,6 +146,37 @@ async def respond(request: Request, fmt: Format, target: Target):
         names = body.sampling_values()[1]
         raise from_field_error(error.message, names) if error.status == 400 and error.param in names else error
     return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
+
+
+async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
+    """The chunks of several requests as they come; the first error ends them all. Leaving early (the client went
+    away) cancels every request's gRPC call."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put(chunk)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put(error)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:

@@ -2,6 +2,7 @@
 parameters, checked with nanoserve's own SamplingParams before anything is sent to Triton."""
 from __future__ import annotations
 
+import logging
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -10,8 +11,36 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.openai_api.errors import bad_request, from_field_error
 
 
+logger = logging.getLogger("nanoserve.openai")
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class RequestBody(BaseModel):
+    """A request's body: a parameter OpenAI's API defines that nanoserve does not implement (UNSUPPORTED) is a 400
+    naming it; one OpenAI does not define is ignored with a warning in the log, as vLLM does (clients send vendor
+    extras)."""
+    model_config = ConfigDict(extra="allow")
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset()
+
+    def check(self) -> None:
+        """The checks pydantic does not make: the unknown parameters, then the text's encoding."""
+        extras = sorted(self.model_extra or {})
+        for name in extras:
+            if name in self.UNSUPPORTED:
+                raise bad_request(f"{name}: not supported by nanoserve", name)
+        if extras:
+            logger.warning("nanoserve: the request's fields %s are not OpenAI API parameters: ignored",
+                           ", ".join(extras))
+        self.check_utf8()
+
+    def check_utf8(self) -> None:
+        """JSON's "\\ud800" escapes make strings UTF-8 cannot carry: a 400 naming the first such field."""
+        where = lone_surrogate(self.model_dump(by_alias=True, exclude_none=True))
+        if where is not None:
+            raise bad_request(f"{where}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text", where)
 
 
 class StreamOptions(Strict):
@@ -58,7 +87,7 @@ class ResponseFormat(Strict):
         return {"json_object": True} if self.type == "json_object" else None
 
 
-class SamplingRequest(Strict):
+class SamplingRequest(RequestBody):
     """What /v1/completions and /v1/chat/completions share. The vLLM extensions (top_k, min_p, ...) are
     nanoserve sampling parameters of the same names."""
     model: str
@@ -89,12 +118,6 @@ class SamplingRequest(Strict):
         "max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
         "skip_special_tokens", "include_stop_str_in_output", "structured_outputs")
-
-    def check_utf8(self) -> None:
-        """JSON's "\\ud800" escapes make strings UTF-8 cannot carry: a 400 naming the first such field."""
-        where = lone_surrogate(self.model_dump(by_alias=True, exclude_none=True))
-        if where is not None:
-            raise bad_request(f"{where}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text", where)
 
     @property
     def include_usage(self) -> bool:
@@ -130,6 +153,9 @@ class SamplingRequest(Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({
+        "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+        "modalities", "prediction", "web_search_options", "reasoning_effort"})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -153,30 +179,64 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+Prompt = str | list[int]  # text, or token ids
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list  # one prompt: a string, or a list of one
+    prompt: str | list  # a string, a list of strings, a list of token ids, or a list of lists of token ids
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs in vllm_backend's format
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"best_of", "suffix", "logit_bias"})
 
     def sampling_values(self) -> tuple[dict, dict[str, str]]:
         values, names = super().sampling_values()
         if self.logprobs is not None:
             values["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            values["prompt_logprobs"] = self.prompt_logprobs
+        if self.echoes_logprobs:  # the prompt's logprobs make the echoed tokens' ones
+            values["prompt_logprobs"] = max(self.logprobs, self.prompt_logprobs or 0)
+            names.setdefault("prompt_logprobs", "logprobs" if self.prompt_logprobs is None else "prompt_logprobs")
         return values, names
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        return self.echo and self.logprobs is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.echoes_logprobs or self.prompt_logprobs is not None
 
     @property
     def top_logprobs_count(self) -> int | None:
         return self.logprobs
 
-    def prompt_text(self) -> str:
-        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
-        if not all(isinstance(prompt, str) for prompt in prompts):
-            raise bad_request("prompt: expected text (token id prompts are not supported here)", "prompt")
-        if len(prompts) != 1:
-            raise bad_request(f"prompt: one prompt per request, got {len(prompts)}", "prompt")
-        if not prompts[0]:
-            raise bad_request("prompt: empty", "prompt")
-        return prompts[0]
+    def prompts(self, vocab_size: int) -> list[Prompt]:
+        """The request's prompts, each text or token ids in [0, vocab_size); a 400 naming the bad one."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and all(_is_token_id(t) for t in prompt)):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, str) or (isinstance(p, list) and all(map(_is_token_id, p))) for p in prompt):
+            prompts = prompt
+        else:
+            raise bad_request("prompt: expected a string, a list of strings, a list of token ids or a list of lists "
+                              "of token ids", "prompt")
+        for index, one in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt.{index}"
+            if not one:
+                raise bad_request(f"{where}: empty", "prompt")
+            outside = [(position, t) for position, t in enumerate(one) if not isinstance(t, str) and t >= vocab_size]
+            if outside:
+                position, token_id = outside[0]
+                raise bad_request(f"{where}.{position}: token id {token_id} is outside the vocabulary "
+                                  f"[0, {vocab_size})", "prompt")
+        return prompts
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def lone_surrogate(value) -> str | None:
