@@ -1,5 +1,6 @@
-"""vLLM's /tokenize and /detokenize: a prompt (or chat messages, rendered as /v1/chat/completions renders them)
-as the token ids the engine is fed, and token ids back to text, with the served model's tokenizer."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: a prompt (or chat messages, rendered as
+/v1/chat/completions renders them) as the token ids the engine is fed, and token ids back to text, with the served
+model's tokenizer."""
 from __future__ import annotations
 
 import asyncio
@@ -38,10 +39,16 @@ def add_tokenizer_routes(app: FastAPI) -> None:
         target, tokenizer = await model_and_tokenizer(request, body.model)
         ids = await asyncio.to_thread(token_ids, body, tokenizer)
         token_text = token_decoder(tokenizer)
-        models = request.app.state.models
-        max_len = max_model_len_bound(str(models.repository / target.model), models.versions[target.model])
-        return {"count": len(ids), "max_model_len": max_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": max_model_len(request, target), "tokens": ids,
                 "token_strs": [token_text(t) for t in ids] if body.return_token_strs else None}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request, model: str | None = None) -> dict:
+        """vLLM's: what a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
+        target, tokenizer = await model_and_tokenizer(request, model)
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "chat_template": tokenizer.chat_template, "model_max_length": max_model_len(request, target)}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
@@ -64,6 +71,12 @@ async def model_and_tokenizer(request: Request, name: str | None) -> tuple[Targe
         name = served[0]
     target = await models.require(name)
     return target, await models.tokenizer(target.model)
+
+
+def max_model_len(request: Request, target: Target) -> int | None:
+    """model.json's max_model_len, else the checkpoint's max_position_embeddings (what the engine takes at most)."""
+    models = request.app.state.models
+    return max_model_len_bound(str(models.repository / target.model), models.versions[target.model])
 
 
 def token_ids(body: TokenizeRequest, tokenizer) -> list[int]:
