@@ -16,6 +16,7 @@ from test_parallel_sampling import hf_prompt_logprobs
 from triton_server import nanoserve_serve
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.openai_api.chat import render_chat
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
@@ -144,7 +145,8 @@ def test_n_choices_streamed_and_not(client, prompt):
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),  # past max_model_len: the engine's INVALID_ARG, passed through
-    ({"extra_body": {"logit_bias": {"1": 5}}}, "logit_bias"),
+    ({"logit_bias": {"100000000": 5}}, "logit_bias"),  # outside the vocabulary: the engine's INVALID_ARG
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),  # the engine's INVALID_ARG, named as the request named it
@@ -325,3 +327,14 @@ def test_a_field_openai_does_not_define_is_ignored(client, prompt, offline):
     completion = client.completions.create(model=MODEL, prompt=prompt, **{
         **GREEDY, "extra_body": {"ignore_eos": True, "vendor_field": {"x": 1}}})
     assert completion.choices[0].text == offline.text
+
+
+def test_logit_bias_forces_or_bans_a_token(client, prompt, offline, qwen3_dir):
+    token_text = token_decoder(AutoTokenizer.from_pretrained(qwen3_dir))
+    forced = client.completions.create(model=MODEL, prompt=prompt, logit_bias={"7": 100}, logprobs=0, **GREEDY)
+    assert forced.choices[0].logprobs.tokens == [token_text(7)] * N
+    first, second = sorted(offline.logprobs[0], key=offline.logprobs[0].get, reverse=True)[:2]
+    assert first == offline.token_ids[0]
+    banned = client.completions.create(model=MODEL, prompt=prompt, logit_bias={str(first): -100}, logprobs=0,
+                                       max_tokens=1, temperature=0)
+    assert banned.choices[0].logprobs.tokens == [token_text(second)]

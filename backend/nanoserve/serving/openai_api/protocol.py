@@ -112,12 +112,13 @@ class SamplingRequest(RequestBody):
     include_stop_str_in_output: bool | None = None
     structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias}
 
     # the fields that are sampling parameters of the same name
     PASSED: ClassVar[tuple[str, ...]] = (
         "max_tokens", "temperature", "top_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
         "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-        "skip_special_tokens", "include_stop_str_in_output", "structured_outputs")
+        "skip_special_tokens", "include_stop_str_in_output", "structured_outputs", "logit_bias")
 
     @property
     def include_usage(self) -> bool:
@@ -154,7 +155,7 @@ class SamplingRequest(RequestBody):
 
 class ChatCompletionRequest(SamplingRequest):
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({
-        "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
         "modalities", "prediction", "web_search_options", "reasoning_effort"})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -188,7 +189,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs in vllm_backend's format
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"best_of", "suffix", "logit_bias"})
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"best_of", "suffix"})
 
     def sampling_values(self) -> tuple[dict, dict[str, str]]:
         values, names = super().sampling_values()
