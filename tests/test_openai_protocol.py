@@ -1,7 +1,9 @@
 """The OpenAI API's parts without a server: request parsing (property-tested against SamplingParams), chat
 rendering, the logprobs conversions, errors."""
+import json
 import logging
 
+import jsonschema
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +16,7 @@ from nanoserve.serving.openai_api.errors import APIError
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat
 from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs, top_prompt_logprobs
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.serving.openai_api.tools import check_tool_choice, make_parser
 from nanoserve.serving.openai_api.triton import Chunk, triton_error
 from nanoserve.tiny_model import build_tokenizer
 
@@ -74,8 +77,8 @@ def test_unknown_fields_are_ignored_with_a_warning_and_openais_unsupported_ones_
             CompletionRequest(model="m", **body).check()
         assert error.value.param == name and error.value.message.startswith(f"{name}:")
     with pytest.raises(APIError) as error:
-        ChatCompletionRequest(model="m", messages=MESSAGES, tools=[]).check()
-    assert error.value.param == "tools"
+        ChatCompletionRequest(model="m", messages=MESSAGES, functions=[]).check()
+    assert error.value.param == "functions"
     with pytest.raises(ValidationError):  # inside a message, an unknown field is still a 400 naming it
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x", "bogus": 1}])
 
@@ -224,3 +227,115 @@ def test_response_format_maps_to_structured_outputs():
     with pytest.raises(APIError) as error:
         structured(structured_outputs={"regex": "a", "choice": ["a"]})
     assert error.value.param == "structured_outputs" and error.value.message.startswith("structured_outputs:")
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "time", "description": "the time"}}
+HERMES = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n' \
+         '<tool_call>\n{"name": "time", "arguments": {}}\n</tool_call>'
+
+
+def test_required_and_named_tool_choices_constrain_the_output_with_the_tools_schema():
+    def values(**fields):
+        return ChatCompletionRequest(model="m", messages=MESSAGES, tools=[WEATHER, TIME], **fields).sampling_values()
+
+    named = values(tool_choice={"type": "function", "function": {"name": "weather"}})[0]["structured_outputs"]
+    assert named == {"json": WEATHER["function"]["parameters"]}
+    required = values(tool_choice="required")[0]["structured_outputs"]["json"]
+    jsonschema.Draft202012Validator.check_schema(required)
+    jsonschema.validate([{"name": "weather", "parameters": {"city": "Paris"}}, {"name": "time", "parameters": {}}],
+                        required)
+    for wrong in ([], [{"name": "weather", "parameters": {"city": "Rome"}}], [{"name": "nope", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, required)
+    single = values(tool_choice="required", parallel_tool_calls=False)[0]["structured_outputs"]["json"]
+    assert single["maxItems"] == 1
+    assert "structured_outputs" not in values()[0] and "structured_outputs" not in values(tool_choice="none")[0]
+    with pytest.raises(APIError) as error:
+        values(tool_choice="required", response_format={"type": "json_object"})
+    assert error.value.param == "tool_choice"
+
+
+def test_tool_choice_needs_what_it_names():
+    parser = make_parser("hermes")
+    assert check_tool_choice("auto", [WEATHER["function"]], parser) == "auto"
+    for choice, functions, parser_, message in (
+            ("auto", [WEATHER["function"]], None, "needs a tool-call parser"),
+            ("required", [], parser, "needs tools"),
+            ({"type": "function", "function": {"name": "x"}}, [WEATHER["function"]], parser, "no tool is named 'x'")):
+        with pytest.raises(APIError, match=message) as error:
+            check_tool_choice(choice, functions, parser_)
+        assert error.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("name, text, content, calls", [
+    ("hermes", HERMES, "Let me look.", [("weather", {"city": "Oslo"}), ("time", {})]),
+    ("hermes", "no calls here", "no calls here", []),
+    ("hermes", "<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ("llama3_json", '<|python_tag|>{"name": "weather", "parameters": {"city": "Paris"}}; {"name": "time", '
+     '"parameters": {}}', None, [("weather", {"city": "Paris"}), ("time", {})]),
+    ("llama3_json", "Paris is nice.", "Paris is nice.", []),
+    ("llama3_json", '{"name": "weather", "parameters": ', '{"name": "weather", "parameters": ', []),
+])
+def test_tool_call_parsers(name, text, content, calls):
+    parsed_content, parsed = make_parser(name).parse(text)
+    assert parsed_content == content
+    assert [(call.name, json.loads(call.arguments)) for call in parsed] == calls
+
+
+def test_hermes_streams_content_until_a_call_may_begin():
+    parser = make_parser("hermes")
+    assert parser.content_end("Hello <tool") == len("Hello ")
+    assert parser.content_end("Hello <tool_call>{") == len("Hello ")
+    assert parser.content_end("a < b") == len("a < b")
+    assert make_parser("llama3_json").content_end(' {"na') == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_tool_calls_whole_and_streamed(stream):
+    """auto with hermes: the content before the calls, then the calls with finish_reason "tool_calls"; a named
+    choice: the constrained text is the call's arguments; a cut-off call stays content."""
+    def run(fmt, pieces, last_reason="stop"):
+        chunks = [Chunk([piece], [last_reason if i == len(pieces) - 1 else None], [1], [None], 5, i == len(pieces) - 1)
+                  for i, piece in enumerate(pieces)]
+        if not stream:
+            return fmt.full(chunks)["choices"][0]
+        events = [e for chunk in chunks for e in fmt.events(chunk)]
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        calls = [call for d in deltas for call in d.get("tool_calls", [])]
+        message = {"content": "".join(d.get("content", "") for d in deltas) or None}
+        if calls:
+            assert [call["index"] for call in calls] == list(range(len(calls)))
+            message["tool_calls"] = calls
+        return {"message": message, "finish_reason": [c["finish_reason"] for e in events for c in e["choices"]][-1]}
+
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, tools=[WEATHER, TIME], stream=stream)
+    auto = run(ChatFormat(request, ["p"], "auto", make_parser("hermes")), [HERMES[:7], HERMES[7:20], HERMES[20:]])
+    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"].strip() == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in auto["message"]["tool_calls"]] \
+        == [("weather", {"city": "Oslo"}), ("time", {})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in auto["message"]["tool_calls"])
+    named = run(ChatFormat(request, ["p"], {"type": "function", "function": {"name": "weather"}}),
+                ['{"city": ', '"Paris"}'])
+    assert named["finish_reason"] == "tool_calls" and named["message"]["content"] is None
+    assert named["message"]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    cut = run(ChatFormat(request, ["p"], "required"), ['[{"name": "wea'], "length")
+    assert cut == {"message": {"content": '[{"name": "wea'}, "finish_reason": "length"} if stream else \
+        cut["message"]["content"] == '[{"name": "wea'
+
+
+def test_tool_messages_and_tools_reach_the_chat_template():
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name }}{{ c.function.arguments | tojson }}"
+        "{% endfor %}{% else %}{{ m.content }}{% if m.tool_call_id %}@{{ m.tool_call_id }}{% endif %}{% endif %};"
+        "{% endfor %}")
+    request = ChatCompletionRequest(model="m", tools=[WEATHER], messages=[
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    text = render_chat(tokenizer, [m.template_dict() for m in request.messages],
+                       tools=[t.model_dump(exclude_none=True) for t in request.tools])
+    assert text == '[tool weather]user:Hi;assistant:weather{"city": "Oslo"};tool:sunny@c1;'

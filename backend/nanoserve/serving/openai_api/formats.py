@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs, top_prompt_logprobs
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest, Prompt, SamplingRequest
+from nanoserve.serving.openai_api.tools import Parser, ToolCall, constrained_calls
 from nanoserve.serving.openai_api.triton import Chunk
 
 
@@ -114,18 +115,44 @@ class Format:
 
 
 class ChatFormat(Format):
+    """Chat's shapes. With tools, a choice's text may be tool calls: constrained ones (tool_choice "required" or a
+    named function) never stream as content; with "auto" the content streams up to where a call may begin (the
+    parser says), and the calls come, parsed, with the choice's last event (finish_reason "tool_calls")."""
     id_prefix = "chatcmpl-"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     request: ChatCompletionRequest
 
+    def __init__(self, request: ChatCompletionRequest, prompts: list[Prompt], tool_choice: str | dict = "none",
+                 parser: Parser | None = None):
+        super().__init__(request, prompts)
+        self.tool_choice = tool_choice
+        self.parser = parser if tool_choice == "auto" else None
+        self.sent: dict[int, int] = {}  # per choice: how much of its text went out as content (with tools)
+
     def _logprobs(self, entries: list[dict] | None) -> dict | None:
         top_n = self.request.top_logprobs_count
         return None if top_n is None or entries is None else {"content": chat_logprobs(entries, top_n)}
 
+    def _tool_calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished choice."""
+        choice = self.tool_choice
+        if choice in ("none", None) or finish_reason != "stop":
+            return text, []
+        if self.parser is not None:
+            return self.parser.parse(text)
+        try:
+            return None, constrained_calls(text, choice["function"]["name"] if isinstance(choice, dict) else None)
+        except (ValueError, KeyError, TypeError):
+            return text, []
+
     def full_choice(self, index: int, choice: Choice) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._logprobs(choice.logprobs), "finish_reason": choice.finish_reason}
+        content, calls = self._tool_calls(choice.text, choice.finish_reason)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.message_dict() for call in calls]
+        return {"index": index, "message": message, "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": "tool_calls" if calls else choice.finish_reason}
 
     def start(self) -> list[dict]:
         """The assistant role comes first, for each choice, as OpenAI streams it."""
@@ -134,8 +161,24 @@ class ChatFormat(Format):
         return [self._stream_event(choices)]
 
     def delta_choice(self, delta: ChunkDelta) -> dict:
-        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
+        event = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                 "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason}
+        if self.tool_choice in ("none", None):
+            return event
+        text, sent = self.result.choices[delta.index].text, self.sent.get(delta.index, 0)
+        calls = []
+        if delta.finish_reason is None:
+            end = self.parser.content_end(text) if self.parser is not None else 0
+        else:
+            _, calls = self._tool_calls(text, delta.finish_reason)
+            end = (self.parser.content_end(text) if self.parser is not None else 0) if calls else len(text)
+        piece = text[sent:end] if end > sent else ""
+        self.sent[delta.index] = max(sent, end)
+        event["delta"] = {"content": piece} if piece else {}
+        if calls:
+            event["delta"]["tool_calls"] = [call.message_dict(i) for i, call in enumerate(calls)]
+            event["finish_reason"] = "tool_calls"
+        return event
 
 
 class CompletionFormat(Format):

@@ -2,6 +2,7 @@
 parameters, checked with nanoserve's own SamplingParams before anything is sent to Triton."""
 from __future__ import annotations
 
+import json
 import logging
 from typing import ClassVar, Literal
 
@@ -9,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.openai_api.errors import bad_request, from_field_error
+from nanoserve.serving.openai_api.tools import function_schema, required_schema
 
 
 logger = logging.getLogger("nanoserve.openai")
@@ -52,17 +54,67 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def template_dict(self) -> dict:
-        """The message as chat templates read it: content as one string."""
+        """The message as chat templates read it: content as one string; a call's arguments as the object they
+        encode (templates write them with tojson; one that is not JSON stays text), as vLLM passes them."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
         message = {"role": self.role, "content": content or ""}
-        return {**message, "name": self.name} if self.name is not None else message
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None  # the arguments always follow the schema with required or a named function
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchema(Strict):
@@ -155,16 +207,45 @@ class SamplingRequest(RequestBody):
 
 class ChatCompletionRequest(SamplingRequest):
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({
-        "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
-        "modalities", "prediction", "web_search_options", "reasoning_effort"})
+        "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+        "reasoning_effort"})
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # with "required": more than one call may come
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict | None = None  # extra variables for the chat template (vLLM's extension)
 
+    @property
+    def functions(self) -> list[dict]:
+        return [tool.function.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    @property
+    def tool_choice_value(self) -> str | dict:
+        """"none", "auto", "required" or {"type": "function", "function": {"name"}}; OpenAI's default: "auto"
+        with tools, else "none"."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema that constrains the output for tool_choice "required" or a named function."""
+        choice = self.tool_choice_value
+        if isinstance(choice, dict):
+            function = next((f for f in self.functions if f["name"] == choice["function"]["name"]), None)
+            return None if function is None else function_schema(function)
+        return required_schema(self.functions, self.parallel_tool_calls) if choice == "required" else None
+
     def sampling_values(self) -> tuple[dict, dict[str, str]]:
         values, names = super().sampling_values()
+        schema = self.tool_schema()
+        if schema is not None:
+            if "structured_outputs" in values:
+                raise bad_request(f"tool_choice: {self.tool_choice_value!r} constrains the output itself: not with "
+                                  f"{names.get('structured_outputs', 'structured_outputs')}", "tool_choice")
+            values["structured_outputs"], names["structured_outputs"] = {"json": schema}, "tools"
         if self.max_completion_tokens is not None:
             values["max_tokens"] = self.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
