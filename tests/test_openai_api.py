@@ -29,7 +29,8 @@ GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def served(qwen3_dir, tmp_path_factory):
     with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "--ensemble",
-                         "--num-kvcache-blocks", "128", "--report-custom-metrics") as served:
+                         "--num-kvcache-blocks", "128", "--report-custom-metrics",
+                         "--tool-call-parser", "hermes") as served:
         yield served
 
 
@@ -338,3 +339,65 @@ def test_logit_bias_forces_or_bans_a_token(client, prompt, offline, qwen3_dir):
     banned = client.completions.create(model=MODEL, prompt=prompt, logit_bias={str(first): -100}, logprobs=0,
                                        max_tokens=1, temperature=0)
     assert banned.choices[0].logprobs.tokens == [token_text(second)]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+NOTHING = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": NOTHING}}]
+SCHEMAS = {"weather": WEATHER, "clock": NOTHING}
+
+
+def streamed_tool_calls(client, **params) -> tuple[list[dict], str | None]:
+    """The tool calls of a streamed chat (deltas joined as OpenAI's clients join them) and its finish reason."""
+    calls, reason = {}, None
+    for chunk in client.chat.completions.create(stream=True, **params):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}],
+                         ids=["required", "named"])
+def test_required_and_named_tool_calls_validate_against_the_tools_schema(client, tool_choice):
+    """The random tiny model, constrained: its calls always parse and validate, streamed or not."""
+    params = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+                  temperature=0, max_tokens=200)
+    choice = client.chat.completions.create(**params).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
+    streamed, reason = streamed_tool_calls(client, **params)
+    assert streamed == calls and reason == "tool_calls" and len(calls) == 1
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    if isinstance(tool_choice, dict):
+        assert calls[0]["name"] == "weather"
+
+
+def test_auto_tool_calls_are_parsed_from_the_models_own_text(client):
+    """--tool-call-parser hermes on scripted outputs (structured_outputs makes the model write them); a tool
+    result sent back in the conversation reaches the template."""
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    params = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100)
+    choice = client.chat.completions.create(**params, extra_body={"structured_outputs": {"choice": [call]}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [made] = choice.message.tool_calls
+    assert made.function.name == "weather" and json.loads(made.function.arguments) == {"city": "Oslo", "days": 2}
+    streamed, reason = streamed_tool_calls(client, **params, extra_body={"structured_outputs": {"choice": [call]}})
+    assert reason == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in streamed] == \
+        [("weather", {"city": "Oslo", "days": 2})]
+    plain = client.chat.completions.create(**params, extra_body={"structured_outputs": {"choice": ["Sunny."]}})
+    assert plain.choices[0].message.content == "Sunny." and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.tool_calls is None
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": made.id, "type": "function", "function": {"name": "weather", "arguments": made.function.arguments}}]},
+        {"role": "tool", "tool_call_id": made.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=4)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")

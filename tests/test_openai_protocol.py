@@ -260,6 +260,8 @@ def test_required_and_named_tool_choices_constrain_the_output_with_the_tools_sch
 def test_tool_choice_needs_what_it_names():
     parser = make_parser("hermes")
     assert check_tool_choice("auto", [WEATHER["function"]], parser) == "auto"
+    named = {"type": "function", "function": {"name": "weather"}}
+    assert check_tool_choice(named, [WEATHER["function"]], None) == named
     for choice, functions, parser_, message in (
             ("auto", [WEATHER["function"]], None, "needs a tool-call parser"),
             ("required", [], parser, "needs tools"),

@@ -133,14 +133,14 @@ def _partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
-def check_tool_choice(choice, functions: list[dict], parser: Parser | None) -> str | None:
-    """What tool_choice asks: "none", "auto", "required", or the named function's name; 400 naming it when the
-    server cannot honour it."""
+def check_tool_choice(choice: str | dict, functions: list[dict], parser: Parser | None) -> str | dict:
+    """tool_choice ("none", "auto", "required", or {"type": "function", "function": {"name"}}) as it is; a 400
+    naming it when the server cannot honour it."""
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         if name not in {f["name"] for f in functions}:
             raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
-        return name
+        return choice
     if choice in ("auto", "required") and not functions:
         raise bad_request(f"tool_choice: {choice!r} needs tools", "tool_choice")
     if choice == "auto" and parser is None:
