@@ -26,7 +26,7 @@ from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.engine.tokenize import encode_prompt_text, token_decoder
 from nanoserve.serving.openai_api.tokenizer_routes import add_tokenizer_routes
-from nanoserve.serving.openai_api.tools import check_tool_choice, make_parser
+from nanoserve.serving.openai_api.tools import Parser, check_tool_choice, make_parser
 from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
 
 
@@ -89,16 +89,21 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None,
         body.check()
         models = request.app.state.models
         target = await models.require(body.model)
-        parser = make_parser(tool_call_parser)
-        tool_choice = check_tool_choice(body.tool_choice_value, body.functions, parser)
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools and tool_choice != "none" \
-            else None
-        messages = [message.template_dict() for message in body.messages]
-        prompt = render_chat(await models.tokenizer(target.model), messages, body.chat_template_kwargs, tools=tools)
-        return await respond(request, ChatFormat(body, [prompt], tool_choice, parser), target)
+        fmt = chat_format(body, await models.tokenizer(target.model), make_parser(tool_call_parser))
+        return await respond(request, fmt, target)
 
     add_tokenizer_routes(app)
     return app
+
+
+def chat_format(body: ChatCompletionRequest, tokenizer, parser: Parser | None) -> ChatFormat:
+    """The messages rendered with the chat template, with the tools unless tool_choice is "none"."""
+    tool_choice = check_tool_choice(body.tool_choice_value, body.functions, parser)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools and tool_choice != "none" \
+        else None
+    messages = [message.template_dict() for message in body.messages]
+    prompt = render_chat(tokenizer, messages, body.chat_template_kwargs, tools=tools)
+    return ChatFormat(body, [prompt], tool_choice, parser)
 
 
 def completion_format(body: CompletionRequest, tokenizer) -> CompletionFormat:
