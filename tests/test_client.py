@@ -66,9 +66,9 @@ def test_cli_prints_the_stream_and_stats(nanoserve_server, reference):
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_cli_reports_a_server_error_in_one_line(nanoserve_server, protocol):
     url = nanoserve_server.url_grpc if protocol == "grpc" else nanoserve_server.url_http
-    done = run_cli(PROMPT, protocol, url, "--max-tokens", "0")
+    done = run_cli(PROMPT, protocol, url, "--max-tokens", "-1")
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "max_tokens: must be >= 1, got 0" in done.stderr and "Traceback" not in done.stderr
+    assert "max_tokens: must be >= 0, got -1" in done.stderr and "Traceback" not in done.stderr
     assert "data:" not in done.stderr and '{"error"' not in done.stderr  # the message, not the raw SSE event
 
 

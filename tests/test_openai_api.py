@@ -12,9 +12,11 @@ import openai
 import pytest
 from serving_utils import metrics, metrics_when
 from transformers import AutoTokenizer
+from test_parallel_sampling import hf_prompt_logprobs
 from triton_server import nanoserve_serve
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.openai_api.chat import render_chat
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
@@ -27,7 +29,8 @@ GREEDY = dict(temperature=0, max_tokens=N, extra_body={"ignore_eos": True})
 @pytest.fixture(scope="module")
 def served(qwen3_dir, tmp_path_factory):
     with nanoserve_serve(qwen3_dir, tmp_path_factory.mktemp("openai"), "--served-model-name", MODEL, "--ensemble",
-                         "--num-kvcache-blocks", "128", "--report-custom-metrics") as served:
+                         "--num-kvcache-blocks", "128", "--report-custom-metrics",
+                         "--tool-call-parser", "hermes") as served:
         yield served
 
 
@@ -141,9 +144,10 @@ def test_n_choices_streamed_and_not(client, prompt):
     ({"n": 129}, "n"),
     ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"max_tokens": 100_000}, "max_tokens"),  # past max_model_len: the engine's INVALID_ARG, passed through
-    ({"extra_body": {"logit_bias": {"1": 5}}}, "logit_bias"),
+    ({"logit_bias": {"100000000": 5}}, "logit_bias"),  # outside the vocabulary: the engine's INVALID_ARG
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),  # the engine's INVALID_ARG, named as the request named it
@@ -174,10 +178,12 @@ def test_metrics_on_the_api_port_are_tritonservers_with_the_vllm_gauges(served):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/completions", {"prompt": "\ud800"}, "prompt"),  # JSON's "\ud800" escape: a string UTF-8 cannot encode
-    ("/completions", {"prompt": [1, 2, 3]}, "prompt"),
+    ("/completions", {"prompt": [1, 2, 10 ** 9]}, "prompt"),  # outside the vocabulary
+    ("/completions", {"prompt": [[1, 2], []]}, "prompt"),
+    ("/completions", {"prompt": "x", "best_of": 2}, "best_of"),  # OpenAI's, not implemented
     ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, "messages.0.content"),
 ])
-def test_a_prompt_that_is_not_text_is_400(served, path, body, param):
+def test_a_bad_prompt_or_parameter_is_400(served, path, body, param):
     request = urllib.request.Request(served.openai_url + path, json.dumps({"model": MODEL, **body}).encode(),
                                      {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as error:
@@ -229,3 +235,169 @@ class raw_post:
 
     def __exit__(self, *exc):
         self.sock.close()
+
+
+TEXT = "Once upon a time, in a quiet village by the sea, there lived an old fisherman and his curious cat."
+
+
+def post(served, path: str, body: dict) -> dict:
+    """A POST to the API's root (vLLM's /tokenize is not under /v1): the JSON answer."""
+    url = served.openai_url.removesuffix("/v1") + path
+    request = urllib.request.Request(url, json.dumps({"model": MODEL, **body}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+@pytest.fixture(scope="module")
+def scored(qwen3_dir):
+    """The prompt's token ids and HF's log_softmax at each prompt position (row j - 1: the distribution of j)."""
+    ids = AutoTokenizer.from_pretrained(qwen3_dir).encode(TEXT, add_special_tokens=True)
+    return ids, hf_prompt_logprobs(qwen3_dir, ids)
+
+
+def check_echo(logprobs, ids: list[int], reference, top_n: int) -> None:
+    """vLLM's echo: the prompt's tokens first, the first without a logprob; each equal to HF's."""
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+        [float(reference[j - 1][ids[j]]) for j in range(1, len(ids))], abs=1e-4)
+    for j, top in enumerate(logprobs.top_logprobs[1:len(ids)], start=1):
+        assert len(top) in (top_n, top_n + 1) and logprobs.tokens[j] in top  # the token and the top_n
+        best = float(reference[j - 1].max()) if top_n else float(reference[j - 1][ids[j]])
+        assert max(top.values()) == pytest.approx(best, abs=1e-4)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+
+def test_echo_logprobs_equal_hf_cold_and_with_the_prompt_in_the_prefix_cache(client, scored):
+    """lm-eval's loglikelihood request (echo, logprobs 1, max_tokens 1) and vLLM's max_tokens 0 scoring, for text
+    and token-id prompts, batched too; the prompt's blocks are in the prefix cache after the first request."""
+    ids, reference = scored
+    cold = client.completions.create(model=MODEL, prompt=TEXT, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    choice = cold.choices[0]
+    assert len(choice.logprobs.tokens) == len(ids) + 1 and choice.text.startswith(TEXT)
+    check_echo(choice.logprobs, ids, reference, 1)
+    for prompt in (TEXT, ids):  # the prompt's blocks are cached now: the scores must not change
+        warm = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+        [choice] = warm.choices
+        assert choice.text == TEXT and choice.finish_reason == "length" and warm.usage.completion_tokens == 0
+        assert len(choice.logprobs.tokens) == len(ids) and warm.usage.prompt_tokens == len(ids)
+        check_echo(choice.logprobs, ids, reference, 2)
+    batched = client.completions.create(model=MODEL, prompt=[ids, ids[:5]], echo=True, logprobs=0, max_tokens=0)
+    assert [c.index for c in batched.choices] == [0, 1] and batched.usage.prompt_tokens == len(ids) + 5
+    for choice, length in zip(batched.choices, (len(ids), 5)):
+        assert len(choice.logprobs.tokens) == length
+        check_echo(choice.logprobs, ids[:length], reference, 0)
+
+
+def test_echo_streamed_equals_not_streamed_and_prompt_logprobs_extension(client, served, scored):
+    ids, reference = scored
+    params = dict(model=MODEL, prompt=[TEXT, TEXT], echo=True, logprobs=1, max_tokens=3, temperature=0, n=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**params)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3] and len({c.text for c in whole.choices}) == 1
+    texts, tokens = [""] * 4, [[] for _ in range(4)]
+    for chunk in client.completions.create(**params, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+    assert texts == [c.text for c in whole.choices] and tokens == [c.logprobs.tokens for c in whole.choices]
+    body = post(served, "/v1/completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 1})
+    prompt_logprobs = body["choices"][0]["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for j, entry in enumerate(prompt_logprobs[1:], start=1):
+        assert entry[str(ids[j])]["logprob"] == pytest.approx(float(reference[j - 1][ids[j]]), abs=1e-4)
+        assert min(value["rank"] for value in entry.values()) == 1
+
+
+def test_tokenize_and_detokenize_as_vllm(served, qwen3_dir, scored):
+    ids, _ = scored
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_dir)
+    tokens = post(served, "/tokenize", {"prompt": TEXT, "return_token_strs": True})
+    assert tokens["tokens"] == ids and tokens["count"] == len(ids) and isinstance(tokens["max_model_len"], int)
+    assert "".join(tokens["token_strs"]) == tokenizer.decode(ids)
+    assert post(served, "/tokenize", {"prompt": TEXT})["token_strs"] is None
+    chat = post(served, "/tokenize", {"messages": MESSAGES})["tokens"]
+    assert chat == tokenizer.encode(render_chat(tokenizer, MESSAGES), add_special_tokens=True)
+    assert post(served, "/detokenize", {"tokens": ids}) == {"prompt": tokenizer.decode(ids)}
+    with pytest.raises(urllib.error.HTTPError) as error:
+        post(served, "/detokenize", {"tokens": [1, 10 ** 9]})
+    assert error.value.code == 400 and json.load(error.value)["error"]["message"].startswith("tokens.1:")
+
+
+def test_a_field_openai_does_not_define_is_ignored(client, prompt, offline):
+    completion = client.completions.create(model=MODEL, prompt=prompt, **{
+        **GREEDY, "extra_body": {"ignore_eos": True, "vendor_field": {"x": 1}}})
+    assert completion.choices[0].text == offline.text
+
+
+def test_logit_bias_forces_or_bans_a_token(client, prompt, offline, qwen3_dir):
+    token_text = token_decoder(AutoTokenizer.from_pretrained(qwen3_dir))
+    forced = client.completions.create(model=MODEL, prompt=prompt, logit_bias={"7": 100}, logprobs=0, **GREEDY)
+    assert forced.choices[0].logprobs.tokens == [token_text(7)] * N
+    first, second = sorted(offline.logprobs[0], key=offline.logprobs[0].get, reverse=True)[:2]
+    assert first == offline.token_ids[0]
+    banned = client.completions.create(model=MODEL, prompt=prompt, logit_bias={str(first): -100}, logprobs=0,
+                                       max_tokens=1, temperature=0)
+    assert banned.choices[0].logprobs.tokens == [token_text(second)]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+NOTHING = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": NOTHING}}]
+SCHEMAS = {"weather": WEATHER, "clock": NOTHING}
+
+
+def streamed_tool_calls(client, **params) -> tuple[list[dict], str | None]:
+    """The tool calls of a streamed chat (deltas joined as OpenAI's clients join them) and its finish reason."""
+    calls, reason = {}, None
+    for chunk in client.chat.completions.create(stream=True, **params):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "weather"}}],
+                         ids=["required", "named"])
+def test_required_and_named_tool_calls_validate_against_the_tools_schema(client, tool_choice):
+    """The random tiny model, constrained: its calls always parse and validate, streamed or not."""
+    params = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+                  temperature=0, max_tokens=200)
+    choice = client.chat.completions.create(**params).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
+    streamed, reason = streamed_tool_calls(client, **params)
+    assert streamed == calls and reason == "tool_calls" and len(calls) == 1
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    if isinstance(tool_choice, dict):
+        assert calls[0]["name"] == "weather"
+
+
+def test_auto_tool_calls_are_parsed_from_the_models_own_text(client):
+    """--tool-call-parser hermes on scripted outputs (structured_outputs makes the model write them); a tool
+    result sent back in the conversation reaches the template."""
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    params = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=100)
+    choice = client.chat.completions.create(**params, extra_body={"structured_outputs": {"choice": [call]}}).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [made] = choice.message.tool_calls
+    assert made.function.name == "weather" and json.loads(made.function.arguments) == {"city": "Oslo", "days": 2}
+    streamed, reason = streamed_tool_calls(client, **params, extra_body={"structured_outputs": {"choice": [call]}})
+    assert reason == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in streamed] == \
+        [("weather", {"city": "Oslo", "days": 2})]
+    plain = client.chat.completions.create(**params, extra_body={"structured_outputs": {"choice": ["Sunny."]}})
+    assert plain.choices[0].message.content == "Sunny." and plain.choices[0].finish_reason == "stop"
+    assert plain.choices[0].message.tool_calls is None
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": made.id, "type": "function", "function": {"name": "weather", "arguments": made.function.arguments}}]},
+        {"role": "tool", "tool_call_id": made.id, "content": "sunny, 21 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=4)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason in ("stop", "length")

@@ -127,3 +127,25 @@ def test_prompt_logprobs_stream_with_the_first_output_and_n(qwen3_dir, make_llm)
     expected_ranks = [int((row >= row[token]).sum()) for row, token in zip(reference, PROMPT[1:])]
     assert streamed.prompt_logprobs.ranks == expected_ranks
     assert single.prompt_logprobs.token_ids == [] and single.finished
+
+
+def test_max_tokens_0_scores_the_prompt_and_samples_nothing(qwen3_dir, make_llm):
+    """max_tokens=0: the prompt is computed (its logprobs equal HF's, in chunks, streamed and not, with n) and the
+    sequence finishes with "length" without a sampled token; a later request runs beside it; no block leaks."""
+    engine = make_llm(qwen3_dir, kvcache_block_size=BLOCK, max_num_batched_tokens=16, max_num_seqs=4).engine
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    engine.add_request("whole", PROMPT, scored, stream=False)
+    engine.add_request("streamed", PROMPT, SamplingParams(max_tokens=0, prompt_logprobs=1, n=2))
+    engine.add_request("plain", PROMPT[:5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    reference = hf_prompt_logprobs(qwen3_dir, PROMPT)
+    for request_id in ("whole", "streamed"):
+        mine = [o for o in outputs if o.request_id == request_id]
+        assert all(o.new_token_ids == [] and o.num_output_tokens == 0 and o.finish_reason == "length"
+                   for o in mine)
+        assert [o.index for o in mine] == ([0] if request_id == "whole" else [0, 1]) and mine[-1].finished
+        check_prompt_logprobs(reference, PROMPT, [None, *mine[0].prompt_logprobs.logprobs], 1)
+    assert [o.new_token_ids for o in outputs if o.request_id == "plain"][-1] != []
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]

@@ -459,3 +459,35 @@ def test_token_bitmask_confines_its_rows_and_no_other():
                 assert token_id == int(logits[row].masked_fill(~allowed[row], -math.inf).argmax())
             else:
                 assert allowed[row, token_id]
+
+
+def test_logit_bias_adds_to_its_rows_logits_only_before_sampling_and_logprobs():
+    """OpenAI's logit_bias against the plain reference: the biased logits' argmax and log_softmax, with penalties
+    applied first; other rows untouched; +-100 forces or bans a token."""
+    logits = random_logits(3, 12, seed=5)
+    bias = {3: 100.0, 4: -2.5}
+    seqs = [make_seq(temperature=0.0, logprobs=2, logit_bias=bias, output=[4], presence_penalty=1.0),
+            make_seq(temperature=0.0, logprobs=0, request_id="plain"),
+            make_seq(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}, request_id="ban")]
+    out = sample(logits, seqs)
+    expected = penalized(logits[0].tolist(), [5, 6, 7], [4], presence=1.0)
+    for token, value in bias.items():
+        expected[token] += value
+    assert out.token_ids[0] == 3 and out.sampled_logprobs[0] == pytest.approx(log_softmax(expected)[3], abs=1e-5)
+    assert out.token_ids[1] == int(logits[1].argmax())
+    assert out.sampled_logprobs[1] == pytest.approx(log_softmax(logits[1].tolist())[out.token_ids[1]], abs=1e-5)
+    assert out.token_ids[2] == int(logits[2].topk(2).indices[1])
+    assert metadata([make_seq()]).logit_bias is None
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({"x": 1.0}, "logit_bias: keys are token ids"), ({"-1": 1.0}, "logit_bias: must be >= 0"),
+    ({"1": 101}, "logit_bias: must be <= 100.0"), ({"1": "a"}, "logit_bias: expected a number"),
+    ([1], "logit_bias: expected a JSON object"),
+])
+def test_logit_bias_is_checked(bias, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+    assert SamplingParams.from_dict({"logit_bias": '{"7": -1}'}).logit_bias == {7: -1.0}
+    with pytest.raises(ValueError, match=r"logit_bias: token id 12 is outside the vocabulary \[0, 12\)"):
+        SamplingParams(logit_bias={"12": 1}).check_against_model(64, 12, 5)

@@ -9,7 +9,7 @@ from nanoserve.sampling_params import (MAX_N, MAX_SEED, MAX_STOP_STRING_CHARS, M
 from nanoserve.serving.request import json_object
 
 INVALID = [  # field, value
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "32"),
+    ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "32"),
     ("min_tokens", -1), ("min_tokens", None), ("min_tokens", 2.0),
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "0.5"),
     ("temperature", None), ("temperature", True), ("temperature", 10 ** 400), ("temperature", 100.5),
@@ -131,7 +131,7 @@ def test_empty_json_gives_defaults():
 
 
 @pytest.mark.parametrize("params,field", [
-    ({"max_tokens": "32.5"}, "max_tokens"), ({"max_tokens": "abc"}, "max_tokens"), ({"max_tokens": "0"}, "max_tokens"),
+    ({"max_tokens": "32.5"}, "max_tokens"), ({"max_tokens": "abc"}, "max_tokens"), ({"max_tokens": "-1"}, "max_tokens"),
     ({"max_tokens": 32.0}, "max_tokens"), ({"temperature": "warm"}, "temperature"),
     ({"temperature": "-1"}, "temperature"), ({"temperature": "nan"}, "temperature"),
     ({"temperature": "inf"}, "temperature"), ({"ignore_eos": "maybe"}, "ignore_eos"),

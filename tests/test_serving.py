@@ -299,3 +299,19 @@ def test_concurrent_streams_match_offline(server, offline):
     for t in threads:
         t.join(120)
     assert results == [offline[p].text for p in prompts]
+
+
+def test_input_ids_prompt_equals_its_text_and_bad_ids_name_the_input(server, offline, qwen3_dir):
+    """nanoserve's input_ids input: the text model runs the ids as the same prompt's text_input would; not streamed
+    with the input, the decoded prompt comes first; an id outside the vocabulary, or both inputs, is INVALID_ARG
+    naming input_ids."""
+    prompt = PROMPTS[1]
+    ids = np.array(AutoTokenizer.from_pretrained(qwen3_dir).encode(prompt), dtype=np.int32)
+    streamed = stream(server, MODEL, input_ids=ids, stream=True, sampling_parameters=GREEDY)
+    whole = stream(server, MODEL, input_ids=ids, sampling_parameters=GREEDY, return_num_input_tokens=True)
+    assert streamed.error is None and streamed.text == offline[prompt].text
+    assert whole.text == prompt + offline[prompt].text
+    assert whole.responses[-1]["num_input_tokens"].tolist() == [len(ids)]
+    for inputs in ({"input_ids": np.array([1, 10 ** 9], np.int32)}, {"input_ids": ids, "text_input": prompt}):
+        failed = stream(server, MODEL, sampling_parameters=GREEDY, **inputs)
+        assert failed.error is not None and failed.error.message().startswith("input_ids:"), failed.error

@@ -122,13 +122,16 @@ def test_scalar_tensors_take_the_whole_seed_range():
     ({"text_input": text("")}, "", "text_input"),
     ({"text_input": text(b"caf\xc3")}, "", "text_input"),
     ({"text_input": np.array([b"a", b"b"], dtype=object)}, "", "text_input"),
+    ({"input_ids": np.array([], np.int32)}, "", "input_ids"),
+    ({"input_ids": np.array([1.5], np.float32)}, "", "input_ids"),
+    ({"input_ids": np.array([1, 2], np.int32), "text_input": text("Hi")}, "", "input_ids"),
     ({"sampling_parameters": text("{max_tokens: 3")}, "", "sampling_parameters"),
     ({"sampling_parameters": text("[1, 2]")}, "", "sampling_parameters"),
     ({"sampling_parameters": text('{"max_token": 3}')}, "", "max_token"),
     ({"sampling_parameters": text('{"max_tokens": "many"}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"max_tokens": [3]}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"max_tokens": -1}')}, "", "max_tokens"),
-    ({"sampling_parameters": text('{"max_tokens": 0}')}, "", "max_tokens"),
+    ({"sampling_parameters": text('{"max_tokens": -1}')}, "", "max_tokens"),
     ({"sampling_parameters": text('{"top_p": 1.5}')}, "", "top_p"),
     ({"sampling_parameters": text('{"top_p": "0"}')}, "", "top_p"),
     ({"sampling_parameters": text('{"temperature": "hot"}')}, "", "temperature"),
@@ -166,10 +169,20 @@ def test_bad_input_names_the_field(tensors, parameters, field):
     assert error_of(parameters, **tensors).startswith(f"{field}:")
 
 
+def test_the_text_model_takes_token_ids_in_input_ids():
+    req = parse(input_ids=np.array([[5, 0, 7]], np.int32), exclude_input_in_output=np.array([True]))
+    assert req.prompt == [5, 0, 7] and req.exclude_input
+    whole = Stream(None, parse(input_ids=np.array([5, 0, 7], np.int32)))
+    output = outputs_of("a", [(9, " x")])[0]
+    whole.add([output])
+    decoded = text_arrays(whole, [output], str, decode=lambda ids: "<" + ",".join(map(str, ids)) + ">")
+    assert decoded["text_output"].tolist() == [b"<5,0,7> x"]  # the prompt first, decoded
+
+
 def test_contract_tables_match_design():
     inputs = {i["name"]: i for i in TEXT_INPUTS}
-    assert not inputs["text_input"]["optional"] and inputs["text_input"]["data_type"] == "TYPE_STRING"
-    assert all(i["optional"] for name, i in inputs.items() if name != "text_input")
+    assert inputs["text_input"]["data_type"] == "TYPE_STRING" and inputs["input_ids"]["data_type"] == "TYPE_INT32"
+    assert all(i["optional"] for i in inputs.values())  # the prompt is text_input or input_ids
     for name in ("stream", "exclude_input_in_output", *(f"return_{o}" for o in OPTIONAL_OUTPUTS)):
         assert inputs[name]["data_type"] == "TYPE_BOOL"
     assert set(SCALAR_INPUTS) <= set(inputs) and inputs["stop_words"]["dims"] == [-1]
@@ -178,7 +191,7 @@ def test_contract_tables_match_design():
                        "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
                        "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1]),
                        "prompt_logprobs": ("TYPE_STRING", [1])}
-    assert {i["name"] for i in TOKEN_INPUTS} == set(inputs) - {"text_input"} | {"input_ids"}
+    assert {i["name"] for i in TOKEN_INPUTS} == set(inputs) - {"text_input"}
 
 
 # ---- response formatting (the response thread, without Triton) -------------------------------------------

@@ -19,6 +19,7 @@ MAX_SEED = 2 ** 64 - 1
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias (OpenAI's API takes up to 300)
 MAX_N = 128  # sequences per request (vLLM's bound, VLLM_MAX_N_SEQUENCES, is far larger; each is a batch row)
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -96,6 +97,8 @@ class SamplingParams:
     n: int = 1  # sequences sampled from the prompt; sequence i gets seed (seed + i) mod 2**64
     structured_outputs: StructuredOutputsParams | None = None  # or its JSON object / JSON text
     lora_name: str | None = None  # the LoRA adapter to run with (LLMEngine.add_lora, multi_lora.json); None: the base
+    # added to the token's logit before sampling (OpenAI's logit_bias: JSON object keys are strings)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -103,6 +106,7 @@ class SamplingParams:
         self.stop = _as_list("stop", self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
 
     @property
@@ -118,7 +122,7 @@ class SamplingParams:
         return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def _validate(self):
-        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
+        _check_int("max_tokens", self.max_tokens, minimum=0, optional=True)  # 0: score the prompt only
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} is greater than max_tokens ({self.max_tokens})")
@@ -157,6 +161,9 @@ class SamplingParams:
         outside = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")
+        outside = [token_id for token_id in self.logit_bias or () if token_id >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
     def max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """The most tokens a request with this prompt length may generate: max_tokens, or by default whatever
@@ -187,6 +194,25 @@ def _json_object(name: str, value, what: str = "a JSON object") -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
     return value
+
+
+def _logit_bias(value) -> dict[int, float] | None:
+    """{token id: bias in [-100, 100]} from a dict (its keys may be the ids' text, as JSON has them) or its JSON."""
+    if value is None:
+        return None
+    value = _json_object("logit_bias", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+    bias = {}
+    for key, number in value.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: keys are token ids, got {key!r}") from None
+        _check_int("logit_bias", token_id, minimum=0)
+        _check_number("logit_bias", number, lo=-100.0, hi=100.0)
+        bias[token_id] = float(number)
+    return bias
 
 
 def _as_list(name, value) -> list:

@@ -19,7 +19,8 @@ from nanoserve.sampling_params import SamplingParams
 _NO_TOP_K = 1 << 30
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
 # sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
-FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs")
+FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs",
+            "logit_bias")
 
 
 @dataclass
@@ -52,7 +53,7 @@ def _features(params: SamplingParams) -> list[str]:
     used = {"greedy": params.temperature < GREEDY_TEMPERATURE, "top_k": params.top_k > 0,
             "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0, "seed": params.seed is not None,
             "min_tokens": params.min_tokens > 0, "logprobs": params.logprobs is not None,
-            "prompt_logprobs": params.prompt_logprobs is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None, "logit_bias": bool(params.logit_bias),
             "penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
                           or params.frequency_penalty != 0.0)}
     return [name for name in FEATURES if used[name]]
@@ -237,6 +238,8 @@ class InputBatch:
             meta.penalties = self._penalties(slots, device)
         if uses["min_tokens"]:
             meta.banned = self._banned(slots, device)
+        if uses["logit_bias"]:
+            meta.logit_bias = self._logit_bias(slots, device)
         if uses["logprobs"]:
             counts = self.num_logprobs[slots]
             meta.logprob_rows = np.flatnonzero(counts >= 0).tolist()
@@ -303,6 +306,21 @@ class InputBatch:
         if not rows:
             return None
         return _tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device)
+
+
+    def _logit_bias(self, slots: np.ndarray, device) -> tuple[torch.Tensor, ...] | None:
+        """(rows, token ids, biases) of the rows with logit_bias."""
+        rows, token_ids, biases = [], [], []
+        for row, slot in enumerate(slots.tolist()):
+            bias = self.params[slot].logit_bias
+            if bias:
+                rows += [row] * len(bias)
+                token_ids += bias.keys()
+                biases += bias.values()
+        if not rows:
+            return None
+        return (_tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device),
+                _tensor(np.array(biases, dtype=np.float32), device))
 
 
 def _tensor(values: np.ndarray, device) -> torch.Tensor:

@@ -181,6 +181,9 @@ class LLMEngine:
         sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids)
         for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
             self.scheduler.finish(seq, reason)
+        for seq in sampled_seqs.scored:
+            outputs.append(self.output_processor.scored(seq))
+            self.scheduler.finish(seq, "length")
         self.num_generation_tokens += len(sampled_seqs.seqs)
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)

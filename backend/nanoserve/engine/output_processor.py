@@ -138,6 +138,16 @@ class OutputProcessor:
                                          seq.num_cached_tokens, index=state.index))
         return outputs
 
+    def scored(self, seq: Sequence) -> RequestOutput:
+        """The one output of a sequence with max_tokens 0, once its prompt is computed: no tokens, reason "length",
+        its prompt logprobs when it asked for them."""
+        state = self.requests.pop(seq.request_id)
+        self.watched.discard(seq.request_id)
+        self.constrained.discard(seq.request_id)
+        self.prompt_logprobs_due.pop((state.request_id, state.index), None)
+        self._rows = [], []
+        return self._final_output(state, "length", self._sequence_done(state), prompt_computed=True)
+
     def _sequence_done(self, state: RequestState) -> bool:
         """A sequence of the request has finished: True when it was the last one."""
         samples = state.samples
@@ -251,9 +261,9 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _final_output(state: RequestState, reason: str, done: bool) -> RequestOutput:
-        """The one output of a sequence that is not streamed: all its tokens, text and logprobs (and the prompt's,
-        once it has been computed: the sequence sampled)."""
+    def _final_output(state: RequestState, reason: str, done: bool, prompt_computed: bool = False) -> RequestOutput:
+        """The one output of a sequence that is not streamed (or scored): all its tokens, text and logprobs (and
+        the prompt's, once it has been computed: the sequence sampled, or was scored)."""
         seq, detokenizer = state.seq, state.detokenizer
         if not state.needs_text:
             detokenizer.add(seq.output_token_ids)
@@ -262,4 +272,4 @@ class OutputProcessor:
                              seq.num_prompt_tokens, seq.num_output_tokens,
                              state.cumulative_logprob if state.watched else None, list(state.logprobs),
                              seq.num_cached_tokens, list(state.logprob_ranks), state.index,
-                             state.prompt_logprobs if seq.num_output_tokens else None)
+                             state.prompt_logprobs if seq.num_output_tokens or prompt_computed else None)

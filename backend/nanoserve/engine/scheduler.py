@@ -4,7 +4,7 @@ waiting sequence is admitted only while its adapter holds or can take a device s
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 
 import numpy as np
@@ -24,6 +24,7 @@ class SampledSeqs:
     seqs: list[Sequence]
     num_tokens: np.ndarray
     max_num_tokens: np.ndarray
+    scored: list[Sequence] = field(default_factory=list)  # max_tokens 0: the prompt is computed, nothing sampled
 
 
 class Scheduler:
@@ -112,7 +113,8 @@ class Scheduler:
         columns = self.columns[:, :len(self.running)]  # (indexing rows: unpacking the array costs more)
         computed, num_tokens, num_prompt = columns[0], columns[1], columns[3]
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
-        out.samples = counts == num_tokens - computed  # the step reaches the last token (every row lacks one)
+        # the step reaches the last token (every row lacks one), and the row may grow (max_tokens 0 may not)
+        out.samples = (counts == num_tokens - computed) & (num_tokens < columns[4])
         out.num_batched_tokens = num_batched
         in_prompt = num_prompt > computed
         if np.count_nonzero(in_prompt):
@@ -231,14 +233,21 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray) -> SampledSeqs:
         """After the step `out` described ran (no sequence finished in between): record the computed KV, append
         the sampled tokens (one per sampling row, in row order) and register newly full blocks in the prefix
-        cache. Returns the sequences that got a token."""
+        cache. Returns the sequences that got a token, and those whose prompt is all computed that sample nothing
+        (max_tokens 0)."""
         running, samples, counts = self.running, out.samples, out.num_scheduled_tokens
         assert len(running) == out.num_rows, "the running sequences changed between schedule() and update()"
         columns = self.columns[:, :len(running)]
         computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
         num_tokens += samples
-        seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
+        scored = []
+        if np.count_nonzero(samples) < len(running):
+            seqs = list(compress(running, samples))
+            done = (computed == num_tokens).nonzero()[0]  # a sampling row lacks its new token's KV
+            scored = [running[row] for row in done.tolist()] if len(done) else []
+        else:
+            seqs = list(running)
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
         if self.block_manager.enable_prefix_caching:
@@ -249,7 +258,7 @@ class Scheduler:
         self._new_token_ids = sampled_token_ids
         if len(seqs) < len(running):
             num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
-        return SampledSeqs(seqs, num_tokens, max_num_tokens)
+        return SampledSeqs(seqs, num_tokens, max_num_tokens, scored)
 
     def preempt_all(self) -> None:
         """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order, and

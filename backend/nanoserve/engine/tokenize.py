@@ -6,6 +6,8 @@ hundreds of MB): a token stands for at most `max_token_bytes(tokenizer)` bytes o
 at least B / max_token_bytes tokens.
 """
 
+import functools
+
 # NFC/NFKC normalization can compose up to three characters into one (Hangul jamo) before the text is split.
 NORMALIZER_SLACK = 3
 
@@ -39,3 +41,11 @@ def encode_prompt_text(tokenizer, text: str, max_bytes: int | None = None) -> li
     """max_bytes (max_prompt_bytes): reject a longer text with a ValueError naming the prompt, untokenized."""
     check_prompt_bytes(text, max_bytes)
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def token_decoder(tokenizer):
+    """token id -> its text alone, as vLLM's decoded_token (cached: a vocabulary's worth at most)."""
+    @functools.lru_cache(maxsize=None)
+    def token_text(token_id: int) -> str:
+        return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+    return token_text

@@ -53,6 +53,7 @@ class SamplingMetadata:
     seed_steps: list[int] = field(default_factory=list)  # per seeds entry: how many tokens the row has generated
     penalties: Penalties | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked, e.g. by min_tokens
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, added to the logit)
     # structured outputs: (bitmask [N, ceil(V / 32)] int32, the rows it constrains); bit j % 32 of word j // 32
     # allows token j, every other token of those rows is masked
     token_bitmask: tuple[torch.Tensor, list[int]] | None = None
@@ -80,10 +81,14 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}  # re-seeded for each seeded row
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        if meta.penalties is not None or meta.banned is not None or meta.token_bitmask is not None:
+        if meta.penalties is not None or meta.banned is not None or meta.token_bitmask is not None or \
+                meta.logit_bias is not None:
             logits = logits.clone()
             if meta.penalties is not None:
                 meta.penalties.apply(logits)
+            if meta.logit_bias is not None:
+                rows, token_ids, biases = meta.logit_bias
+                logits.index_put_((rows, token_ids), biases, accumulate=True)
             if meta.banned is not None:
                 rows, token_ids = meta.banned
                 in_vocab = token_ids < logits.shape[1]  # an out-of-vocab stop_token_id can never be sampled

@@ -2,7 +2,7 @@
 stuck: tritonserver 2.51's gRPC frontend can deadlock so that the stub's response thread blocks in
 `ResponseSender.send` forever, and from then on the model answers nothing while `/v2/health/ready` stays 200.
 
-The question is a request with `max_tokens` 0: the model rejects it (HTTP 400) from the same response thread that
+The question is a request with `max_tokens` -1: the model rejects it (HTTP 400) from the same response thread that
 sends every answer, without the engine. So it is cheap, waits behind no queued request however busy the engine
 is, and its answer shows that the frontend and the stub's response path still work. A refused connection (a
 server starting or stopping) is no verdict either way.
@@ -19,7 +19,7 @@ import urllib.request
 from nanoserve.serving.request import engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
-PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": 0}).encode()
+PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": -1}).encode()
 
 
 class Liveness:

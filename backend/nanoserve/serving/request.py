@@ -52,8 +52,9 @@ _COMMON_OUTPUTS = [
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
 ]
-# mode "text": the vllm_backend-compatible text model
-TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1], optional=False), *_COMMON_INPUTS]
+# mode "text": the vllm_backend-compatible text model. The prompt is text_input, or (nanoserve's addition, as the
+# token model names it) input_ids: token ids fed to the model as they are; exactly one of the two.
+TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1]), _io("input_ids", "TYPE_INT32", [-1]), *_COMMON_INPUTS]
 TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
 # mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
 # precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
@@ -96,7 +97,7 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
     """One request's inputs -> ParsedRequest. `parameters` is the Triton request parameters JSON (HTTP
     "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor.
     max_model_len bounds input_ids before they are read."""
-    prompt = _token_prompt(get, max_model_len) if tokens else parse_text_prompt(get)
+    prompt = _token_prompt(get, max_model_len) if tokens else text_model_prompt(get, max_model_len)
     tensor = get("sampling_parameters")
     if tensor is None:
         values = _request_parameters(parameters)
@@ -129,6 +130,20 @@ def _sampling_params(values: dict) -> SamplingParams:
 def name_prompt_input(message: str, input_name: str) -> str:
     """The engine's errors about the prompt start with "prompt:"; a client knows it as the input it sent."""
     return input_name + message[len("prompt"):] if message.startswith("prompt:") else message
+
+
+def prompt_input(prompt: str | list[int]) -> str:
+    """The input a text model's prompt came in."""
+    return "text_input" if isinstance(prompt, str) else "input_ids"
+
+
+def text_model_prompt(get: Getter, max_model_len: int | None) -> str | list[int]:
+    """The text model's prompt: text_input's text, or input_ids' token ids."""
+    if get("input_ids") is None:
+        return parse_text_prompt(get)
+    if get("text_input") is not None:
+        raise ValueError("input_ids: give text_input or input_ids, not both")
+    return _token_prompt(get, max_model_len)
 
 
 def parse_text_prompt(get: Getter) -> str:

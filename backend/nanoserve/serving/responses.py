@@ -5,7 +5,6 @@ custom-metric updates). pb_utils is passed in: this module imports nothing from 
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import queue
@@ -16,10 +15,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.control import CancelById, Drain
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
-from nanoserve.serving.request import ParsedRequest, name_prompt_input
+from nanoserve.serving.request import ParsedRequest, name_prompt_input, prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -213,7 +213,9 @@ class ResponseThread:
         for step in steps:
             self._record_timing(step)
             for request_id, message in step.rejected:
-                self._fail(request_id, name_prompt_input(message, self.prompt_field), self.pb.TritonError.INVALID_ARG)
+                stream = self.streams.get(request_id)
+                field = self.prompt_field if stream is None else prompt_input(stream.request.prompt)
+                self._fail(request_id, name_prompt_input(message, field), self.pb.TritonError.INVALID_ARG)
             for request_id, message in step.failed:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
@@ -454,24 +456,16 @@ def text_formatter(tokenizer, send_empty: bool = False):
     send_empty: streamed outputs whose text is held back still get a response (an empty delta), as vllm_backend
     sends one per step."""
     token_text = token_decoder(tokenizer)
-    return lambda stream, outputs: text_arrays(stream, outputs, token_text, send_empty)
+    return lambda stream, outputs: text_arrays(stream, outputs, token_text, send_empty, tokenizer.decode)
 
 
-def token_decoder(tokenizer):
-    """token id -> its text alone, as vLLM's decoded_token (cached: a vocabulary's worth at most)."""
-    @functools.lru_cache(maxsize=None)
-    def token_text(token_id: int) -> str:
-        return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
-    return token_text
-
-
-def text_arrays(stream: Stream, outputs: list, token_text, send_empty: bool = False) -> dict | None:
+def text_arrays(stream: Stream, outputs: list, token_text, send_empty: bool = False, decode=None) -> dict | None:
     """Text model: one entry per sample in every output tensor. Streaming sends each sample's delta (never the
     prompt; empty for a sample with nothing new); otherwise one response when the request has finished. Runs for
     every streamed response, so its checks are loops rather than generators."""
     request = stream.request
     if not request.stream:
-        return whole_text_arrays(stream, outputs, token_text)
+        return whole_text_arrays(stream, outputs, token_text, decode)
     token_level, send, prompt_logprobs = bool(request.outputs & TOKEN_LEVEL_OUTPUTS), send_empty, None
     for output in outputs:
         send = send or output.text_delta or output.finished or (token_level and output.new_token_ids)
@@ -484,12 +478,13 @@ def text_arrays(stream: Stream, outputs: list, token_text, send_empty: bool = Fa
             **optional_arrays(request, entries, prompt_logprobs, token_text)}
 
 
-def whole_text_arrays(stream: Stream, outputs: list, token_text) -> dict | None:
-    """Not streamed: each sample's whole text (the prompt first, unless exclude_input_in_output), once the request
-    has finished."""
+def whole_text_arrays(stream: Stream, outputs: list, token_text, decode=None) -> dict | None:
+    """Not streamed: each sample's whole text (the prompt first, unless exclude_input_in_output: input_ids decoded
+    by `decode`), once the request has finished."""
     if not accumulate(stream, outputs):
         return None
-    prefix = "" if stream.request.exclude_input else stream.request.prompt
+    prompt = stream.request.prompt
+    prefix = "" if stream.request.exclude_input else prompt if isinstance(prompt, str) else decode(prompt)
     entries = [Entry(prefix + sample.text, Generated(sample.token_ids, sample.logprobs, sample.logprob_ranks),
                      sample.last) for sample in stream.samples]
     return {"text_output": string_array([entry.text for entry in entries]),

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Triton's Prometheus metrics port")
     parser.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT, metavar="PORT",
                         help="the OpenAI-compatible API's port (0: no OpenAI API)")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"),
+                        help="how the OpenAI API reads tool calls out of the model's text for tool_choice \"auto\" "
+                             "(hermes: <tool_call>{...}</tool_call>, as Qwen's templates ask; llama3_json: Llama 3's "
+                             "JSON calls); without it, only \"required\" and named tool choices")
     parser.add_argument("--log-file", metavar="FILE", help="tritonserver's log ('-': this terminal) "
                                            "(default: tritonserver-HTTP_PORT.log in ~/.cache/nanoserve/serve, "
                                            "or in $NANOSERVE_CACHE/serve)")
@@ -266,7 +270,7 @@ def _start_openai_api(args, server, plan: Plan):
     from nanoserve.serving.openai_api.server import OpenAIServer  # fastapi, uvicorn: only when it is served
 
     return OpenAIServer(server.url_grpc, plan.repository, args.host, args.openai_port,
-                        metrics_url=server.url_metrics).start()
+                        metrics_url=server.url_metrics, tool_call_parser=args.tool_call_parser).start()
 
 
 def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None,

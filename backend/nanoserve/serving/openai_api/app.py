@@ -24,6 +24,9 @@ from nanoserve.serving.openai_api.errors import APIError, bad_request, from_fiel
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from nanoserve.engine.tokenize import encode_prompt_text, token_decoder
+from nanoserve.serving.openai_api.tokenizer_routes import add_tokenizer_routes
+from nanoserve.serving.openai_api.tools import Parser, check_tool_choice, make_parser
 from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
 
 
@@ -34,7 +37,8 @@ class ClientGone(Exception):
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) -> FastAPI:
+def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None,
+               tool_call_parser: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         client = grpcaio.InferenceServerClient(grpc_url)  # on the server's event loop
@@ -73,21 +77,46 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None) 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        body.check_utf8()
-        target = await request.app.state.models.require(body.model)
-        prompt = body.prompt_text()
-        return await respond(request, CompletionFormat(body, prompt), target)
+        body.check()
+        models = request.app.state.models
+        target = await models.require(body.model)
+        tokenizer = await models.tokenizer(target.model)
+        fmt = await asyncio.to_thread(completion_format, body, tokenizer)
+        return await respond(request, fmt, target)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        body.check_utf8()
+        body.check()
         models = request.app.state.models
         target = await models.require(body.model)
-        messages = [message.template_dict() for message in body.messages]
-        prompt = render_chat(await models.tokenizer(target.model), messages, body.chat_template_kwargs)
-        return await respond(request, ChatFormat(body, prompt), target)
+        fmt = chat_format(body, await models.tokenizer(target.model), make_parser(tool_call_parser))
+        return await respond(request, fmt, target)
 
+    add_tokenizer_routes(app)
     return app
+
+
+def chat_format(body: ChatCompletionRequest, tokenizer, parser: Parser | None) -> ChatFormat:
+    """The messages rendered with the chat template, with the tools unless tool_choice is "none"."""
+    tool_choice = check_tool_choice(body.tool_choice_value, body.functions, parser)
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools and tool_choice != "none" \
+        else None
+    messages = [message.template_dict() for message in body.messages]
+    prompt = render_chat(tokenizer, messages, body.chat_template_kwargs, tools=tools)
+    return ChatFormat(body, [prompt], tool_choice, parser)
+
+
+def completion_format(body: CompletionRequest, tokenizer) -> CompletionFormat:
+    """The request's prompts as the engine takes them, and what echo shows of them. With echo and logprobs a text
+    prompt is tokenized here (as the engine would: engine/tokenize.py), so that its first token is known."""
+    prompts = body.prompts(len(tokenizer))
+    echoes = [prompt if isinstance(prompt, str) else tokenizer.decode(prompt) for prompt in prompts]
+    first_tokens = []
+    if body.echoes_logprobs:
+        prompts = [encode_prompt_text(tokenizer, p) if isinstance(p, str) else p for p in prompts]
+        token_text = token_decoder(tokenizer)
+        first_tokens = [token_text(prompt[0]) for prompt in prompts]
+    return CompletionFormat(body, prompts, echoes, first_tokens)
 
 
 def read_text(url: str, timeout: float = 10.0) -> str:
@@ -112,8 +141,12 @@ async def respond(request: Request, fmt: Format, target: Target):
     parameters = body.sampling_parameters()
     if target.lora_name is not None:
         parameters["lora_name"] = target.lora_name
-    inputs = request_inputs(fmt.prompt, parameters, body.stream, body.top_logprobs_count is not None)
-    chunks = generate(request.app.state.client, target.model, inputs, request_id=uuid.uuid4().hex)
+    prompt_logprobs = getattr(body, "wants_prompt_logprobs", False)
+    streams = [generate(request.app.state.client, target.model,
+                        request_inputs(prompt, parameters, body.stream, body.top_logprobs_count is not None,
+                                       prompt_logprobs), request_id=uuid.uuid4().hex, prompt_index=index)
+               for index, prompt in enumerate(fmt.prompts)]
+    chunks = streams[0] if len(streams) == 1 else merged(streams)
     try:
         if not body.stream:
             return JSONResponse(fmt.full(await unless_disconnected(request, collect(chunks))))
@@ -124,6 +157,37 @@ async def respond(request: Request, fmt: Format, target: Target):
         names = body.sampling_values()[1]
         raise from_field_error(error.message, names) if error.status == 400 and error.param in names else error
     return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
+
+
+async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
+    """The chunks of several requests as they come; the first error ends them all. Leaving early (the client went
+    away) cancels every request's gRPC call."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put(chunk)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer
+            await queue.put(error)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:

@@ -19,8 +19,8 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # then open streams are closed (their Triton requ
 
 class OpenAIServer:
     def __init__(self, grpc_url: str, repository: Path, host: str, port: int, log_level: str = "warning",
-                 metrics_url: str | None = None):
-        app = create_app(grpc_url, Path(repository), metrics_url)
+                 metrics_url: str | None = None, tool_call_parser: str | None = None):
+        app = create_app(grpc_url, Path(repository), metrics_url, tool_call_parser)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, lifespan="on")
         self.server = uvicorn.Server(config)

@@ -23,10 +23,14 @@ class Chunk:
     logprobs: list[list[dict] | None] = field(default_factory=list)
     num_input_tokens: int | None = None
     final: bool = False
+    prompt_logprobs: list | None = None  # vllm_backend's prompt_logprobs (None first), in the response carrying them
+    prompt_index: int = 0  # which of the API request's prompts this is about
 
 
-def request_inputs(prompt: str, sampling_parameters: dict, stream: bool, logprobs: bool) -> list:
-    """The tensors any vllm_backend client sends: the prompt, the sampling_parameters JSON and the flags."""
+def request_inputs(prompt: str | list[int], sampling_parameters: dict, stream: bool, logprobs: bool,
+                   prompt_logprobs: bool = False) -> list:
+    """The tensors any vllm_backend client sends: the prompt (text_input, or token ids in nanoserve's input_ids),
+    the sampling_parameters JSON and the flags."""
     def tensor(name: str, value, datatype: str):
         array = np.array([value], dtype=np.object_ if datatype == "BYTES" else bool)
         infer_input = grpcclient.InferInput(name, [1], datatype)
@@ -34,8 +38,14 @@ def request_inputs(prompt: str, sampling_parameters: dict, stream: bool, logprob
         return infer_input
 
     flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
-             "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs}
-    return [tensor("text_input", prompt.encode(), "BYTES"),
+             "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs,
+             "return_prompt_logprobs": prompt_logprobs}
+    if isinstance(prompt, str):
+        prompt_input = tensor("text_input", prompt.encode(), "BYTES")
+    else:
+        prompt_input = grpcclient.InferInput("input_ids", [len(prompt)], "INT32")
+        prompt_input.set_data_from_numpy(np.array(prompt, dtype=np.int32))
+    return [prompt_input,
             tensor("sampling_parameters", json.dumps(sampling_parameters).encode(), "BYTES"),
             *(tensor(name, value, "BOOL") for name, value in flags.items())]
 
@@ -53,12 +63,13 @@ def parse_response(result) -> Chunk:
     logprobs = [json.loads(entry) for entry in strings("logprobs")]
     num_input = numbers("num_input_tokens")
     final = bool(reasons) and all(reason is not None for reason in reasons)
+    prompt_logprobs = [json.loads(entry) for entry in strings("prompt_logprobs")]
     return Chunk(strings("text_output"), reasons, numbers("num_output_tokens"), logprobs,
-                 num_input[0] if num_input else None, final)
+                 num_input[0] if num_input else None, final, prompt_logprobs[0] if prompt_logprobs else None)
 
 
 async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
-                   request_id: str) -> AsyncIterator[Chunk]:
+                   request_id: str, prompt_index: int = 0) -> AsyncIterator[Chunk]:
     """The request's responses until its last one: the one where every sequence has its finish reason (the
     flags-only FINAL that may follow is not asked for: tritonclient 2.69 and newer refuse the parameter that asks
     for it). Leaving before the last response (the HTTP client went away: the consumer is cancelled or closes
@@ -74,7 +85,7 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
                 ended = True
                 raise triton_error(error.message())
             chunk = parse_response(result)
-            ended = chunk.final
+            chunk.prompt_index, ended = prompt_index, chunk.final
             yield chunk
             if ended:
                 return
@@ -99,5 +110,5 @@ def triton_error(message: str) -> APIError:
     if "unknown model" in message or "is not found" in message:
         return APIError(404, message, "model", "model_not_found")
     field, _, _ = message.partition(":")
-    param = {"text_input": "prompt"}.get(field, field) if field.isidentifier() else None
+    param = {"text_input": "prompt", "input_ids": "prompt"}.get(field, field) if field.isidentifier() else None
     return APIError(400, message, param)
