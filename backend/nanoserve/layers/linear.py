@@ -7,7 +7,8 @@ A layer given LoRA weights (`lora`, layers/lora.py) adds the adapters' deltas of
 
 On the CPU, `pack_cpu_weights` gives each layer a copy of its weight in oneDNN's blocked layout, and the matmul
 runs in oneDNN: fp32 F.linear goes to MKL's sgemm, which on this project's CPUs (AMD, AVX-512) runs at half
-oneDNN's speed, and a weight reordered once spares each call the reorder.
+oneDNN's speed, and a weight reordered once spares each call the reorder. A quantized weight
+(layers/quantization.py, given by models/quantize.py) takes the packed weight's place and runs its own kernel.
 """
 from __future__ import annotations
 
@@ -58,11 +59,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 384, 512)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the packed weight where there is one (x [T, in])."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the packed weight (a oneDNN tensor, or a quantized weight with its own
+    `linear`) where there is one (x [T, in])."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):
+        return packed.linear(x, bias)
     if x.shape[0] > PACKED_ROWS[-1]:
         return torch.cat([linear(piece, weight, bias, packed) for piece in x.split(PACKED_ROWS[-1])])
     rows = x.shape[0]
@@ -75,12 +78,12 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_cpu_weights(model: nn.Module) -> None:
-    """Pack every linear layer's weight (LinearBase and the LM head), once its weights are loaded. The packed copy
-    takes the place of a weight nothing else shares (a tied LM head's is the embedding's too), so the weights are
-    held once."""
+    """Pack every linear layer's float weight (LinearBase and the LM head; not the quantized ones), once its
+    weights are loaded. The packed copy takes the place of a weight nothing else shares (a tied LM head's is the
+    embedding's too), so the weights are held once."""
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
-        if hasattr(module, "packed_weight"):
+        if hasattr(module, "packed_weight") and module.packed_weight is None:
             module.packed_weight = pack_weight(module.weight)
             if module.packed_weight is not None and uses[id(module.weight)] == 1:
                 module.weight.data = module.weight.data.new_empty(0)
@@ -107,7 +110,7 @@ class LinearBase(nn.Module):
         # them this rank takes); the output of a row-parallel layer is not sharded
         self.shards: dict = {None: (0, output_size, output_size, 0)}
         self.lora: nn.Module | None = None  # StackedLoRA (layers/lora.py), when the engine serves LoRA adapters
-        self.packed_weight: torch.Tensor | None = None  # set by pack_cpu_weights
+        self.packed_weight = None  # a oneDNN tensor (pack_cpu_weights) or a quantized weight (models/quantize.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of the checkpoint tensor of shard_id (a weight or a bias)."""
