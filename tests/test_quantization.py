@@ -261,3 +261,46 @@ def test_smollm2_greedy_tokens_follow_the_float_engine(smollm2_prompts, quantiza
     quantized_llm = make_llm(path, quantization=quantization, max_model_len=512, num_kvcache_blocks=64)
     equal, worst = greedy_agreement(float_llm, quantized_llm, prompts, 16)
     assert equal >= min_equal and worst <= max_logprob_error
+
+
+@pytest.mark.parametrize("qtype, quantization", [("Q4_0", "auto"), ("Q4_1", "int8")])
+def test_tp2_quantizes_each_shard_as_tp1_does(tiny_llama, qtype, quantization, monkeypatch):
+    """Each rank quantizes (or takes the codes of) its own shard after loading it: tp=2 gives tp=1's logits up
+    to the bfloat16 rounding of each rank's partial sums (int8 rows of a row-parallel shard get scales of
+    their own, within int8's error)."""
+    from test_model_runner import make_config, make_runner
+    from test_tensor_parallel import AllRanks, _steps
+
+    from nanoserve.engine.executor import Executor
+
+    monkeypatch.setenv("NANOSERVE_CACHE", tiny_llama[2])
+    model = tiny_llama[1][qtype]
+    single = make_runner(model, quantization=quantization)
+    expected = _steps(single)
+    single.shutdown()
+    executor = Executor(make_config(model, tensor_parallel_size=2, quantization=quantization))
+    try:
+        assert isinstance(executor.runner.model.model.layers[0].mlp.down_proj.packed_weight,
+                          Int4Weight if quantization == "auto" else Int8Weight)
+        got = _steps(AllRanks(executor))
+    finally:
+        executor.shutdown()
+    for ours, ref in zip(got, expected):
+        torch.testing.assert_close(ours, ref, atol=0.03 * float(ref.abs().max()), rtol=0.03)
+
+
+
+def test_the_quantization_argument_is_checked(tiny_llama):
+    from nanoserve.config import EngineConfig
+    from nanoserve.serving.engine_flags import given_engine_args
+    from nanoserve.cli import build_parser
+
+    hf_dir = tiny_llama[0]
+    assert EngineConfig.from_kwargs(hf_dir, device="cpu").quantization == "auto"
+    assert EngineConfig.from_kwargs(hf_dir, device="cpu", quantization="none").quantization == "none"  # model.json
+    flags = given_engine_args(build_parser().parse_args(["serve", hf_dir, "--quantization", "none"]))
+    assert EngineConfig.from_kwargs(hf_dir, device="cpu", **flags).quantization == "none"
+    with pytest.raises(ValueError, match="quantization: must be one of auto, none, int8, int4, got 'int3'"):
+        EngineConfig.from_kwargs(hf_dir, device="cpu", quantization="int3")
+    with pytest.raises(ValueError, match="quantization: int8 weights run on the CPU only"):
+        EngineConfig.from_kwargs(hf_dir, device="cuda", quantization="int8")
