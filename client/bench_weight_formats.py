@@ -94,15 +94,20 @@ class Served:
         self.weight_bytes = None
 
     def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
-        gaps, counts, lock = [], [], threading.Lock()
+        gaps, errors, lock = [], [], threading.Lock()
 
         def one(prompt):
+            try:
+                stream_one(prompt)
+            except Exception as e:  # noqa: BLE001  (raised again below, in the calling thread)
+                errors.append(e)
+
+        def stream_one(prompt):
             stream = self.client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
-            arrivals = [time.perf_counter() for chunk in stream if chunk.choices and chunk.choices[0].text]
+            arrivals = [time.perf_counter() for chunk in stream if chunk.choices]
             with lock:
                 gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
-                counts.append(len(arrivals))
 
         start = time.perf_counter()
         threads = [threading.Thread(target=one, args=(prompt,)) for prompt in prompts]
@@ -110,6 +115,8 @@ class Served:
             thread.start()
         for thread in threads:
             thread.join()
+        if errors:
+            raise errors[0]
         # chunks carry text: a token that decodes to no text yet arrives with the next, so count tokens as asked
         return max_tokens * len(prompts), time.perf_counter() - start, gaps
 
@@ -117,16 +124,21 @@ class Served:
         self.context.__exit__(None, None, None)
 
 
-def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+WORDS = ("the quick brown fox jumps over a lazy dog while seven red birds sing about rivers mountains cities "
+         "music history science paper window garden engine coffee winter summer light shadow number story").split()
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[str]:
+    """Text prompts of `length` random words (the OpenAI API takes text)."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(count)]
+    return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(count)]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32, help="words per prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--served", action="store_true", help="through `nanoserve serve`'s OpenAI API")
@@ -168,7 +180,7 @@ def bench(engines: dict, args) -> dict:
 
 def report(engines: dict, results: dict, args) -> None:
     base = "float32" if "float32" in engines else next(iter(engines))
-    print(f"\n| format | weights' memory | " + " | ".join(f"{c} req: tok/s (x {base}), ITL p50 ms"
+    print("\n| format | weights' memory | " + " | ".join(f"{c} req: tok/s (x {base}), ITL p50 ms"
                                                         for c in args.concurrency) + " |")
     print("| --- | ---: |" + " ---: |" * len(args.concurrency))
     for name, engine in engines.items():
