@@ -1,7 +1,7 @@
 """Load a HF safetensors checkpoint (one file or many shards) into a (tensor-parallel) model. A weight may come as
 the codes, scales and offsets of a group-quantized one ("<name>.codes", ".scale", ".offset": a GGUF file's
-blocks, models/gguf.py): those go to the layer's `weight_groups`, which layers.quantization.quantize_weights
-turns into the layer's weight."""
+blocks, models/gguf.py): those go to the layer's `weight_groups`, which models/quantize.py turns into the layer's
+weight."""
 from __future__ import annotations
 
 import glob

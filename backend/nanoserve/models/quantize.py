@@ -37,7 +37,7 @@ def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) ->
         target = _target(module, groups, quantization)
         if target is None:
             if groups is not None:
-                module.weight.data = groups.dequantize().to(dtype)
+                module.weight.data = groups.dequantize().to(device=module.weight.device, dtype=dtype)
             chosen["float"] += 1
             continue
         weight = _quantized(groups.dequantize() if groups is not None else module.weight, groups, target)
@@ -70,7 +70,7 @@ def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target
 def _install(module: nn.Module, weight) -> None:
     """The module computes with weight from now on; its float weight (unless a module not yet quantized shares
     it) is freed."""
-    if isinstance(module, ParallelLMHead) or isinstance(module, LinearBase):
+    if isinstance(module, (LinearBase, ParallelLMHead)):
         module.packed_weight = weight
     else:
         module.quantized = weight
