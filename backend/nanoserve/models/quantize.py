@@ -23,8 +23,8 @@ FOUR_BIT = "int4"  # the format 4-bit GGUF codes run as (client/bench_quant.py)
 
 
 def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) -> str:
-    """Give each linear layer and embedding its weight in the chosen format; returns what was chosen, for the
-    log ("int4: 210 weights (4-bit GGUF codes), int8: 1 (embedding / LM head)")."""
+    """Give each linear layer and embedding its weight in the chosen format; returns how many modules got each,
+    for the log ("int8: 2, int4: 120": SmolLM2's embedding and tied LM head, and its 30 x 4 linear layers)."""
     chosen, tables = Counter(), {}  # tables: id(float weight) -> its Int8Weight (a tied LM head's is shared)
     for module in model.modules():  # the embedding before a tied LM head
         if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
