@@ -68,8 +68,8 @@ def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target
 
 
 def _install(module: nn.Module, weight) -> None:
-    """The module computes with weight from now on; its float weight (unless a module not yet quantized shares
-    it) is freed."""
+    """The module computes with weight from now on; its float weight is freed (a tied LM head takes the
+    embedding's quantized table, quantize_weights)."""
     if isinstance(module, (LinearBase, ParallelLMHead)):
         module.packed_weight = weight
     else:
