@@ -71,12 +71,13 @@ def test_a_bf16_engine_follows_hf(qwen3_dir, make_llm, monkeypatch, cap):
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_ops.cpu_isa() != "avx512", reason="this CPU runs the AVX2 path in the suite itself")
 def test_the_avx2_path_passes_the_kernel_and_layer_tests():
-    """The C++ kernels built for AVX2 (-march=x86-64-v3, 256-bit at::vec) and torch capped at AVX2 pass the same
-    tests as this machine's own build."""
+    """The C++ kernels built for AVX2 (-march=x86-64-v3, 256-bit at::vec) and torch capped at AVX2 (its int8 and
+    int4 weight kernels too) pass the same tests as this machine's own build."""
     tests = Path(__file__).parent
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
                            str(tests / "test_cpu_ops.py"), str(tests / "test_layers.py"),
+                           str(tests / "test_quantization.py"),
                            f"{tests / 'test_cpu_isa.py'}::test_a_bf16_engine_follows_hf",
                            f"{tests / 'test_fp8_kv_cache.py'}::test_the_cpu_decode_kernel_reads_an_fp8_cache"],
                           env=env, capture_output=True, text=True, timeout=560)

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanoserve import SamplingParams
 from nanoserve.cache import build_once
 from nanoserve.config import EngineConfig
+from nanoserve.layers.quantization import GroupQuantized
 from nanoserve.models.gguf import checkpoint_dir
 from nanoserve.serving.ensemble import engine_tokenizer
 from nanoserve.serving.model_json import load_engine_args
@@ -60,14 +61,19 @@ def test_float32_gguf_gives_back_the_hf_weights(arch, hf_dirs, gguf_files, cache
         np.testing.assert_array_equal(converted[name], weights, err_msg=name)
 
 
-def test_quantized_rows_come_back_in_hf_order(hf_dirs, tmp_path):
-    """Q8_0 quantizes each row on its own, so undoing the row permutation after dequantizing gives exactly
-    dequantize(quantize(W)) of the HF weights."""
-    path = write_gguf(hf_dirs["llama"], str(tmp_path / "q8.gguf"), "llama", qtype=Q8_0)
+@pytest.mark.parametrize("qtype", [Q8_0, gguf.GGMLQuantizationType.Q4_1])
+def test_quantized_rows_come_back_in_hf_order(qtype, hf_dirs, tmp_path):
+    """Q8_0 and Q4_1 quantize each row on its own, so the codes, scales and offsets kept, with the row permutation
+    undone, dequantize to exactly dequantize(quantize(W)) of the HF weights."""
+    path = write_gguf(hf_dirs["llama"], str(tmp_path / "q.gguf"), "llama", qtype=qtype)
     converted = load_file(os.path.join(checkpoint_dir(path, str(tmp_path / "cache")), "model.safetensors"))
     for name, weights in load_file(os.path.join(hf_dirs["llama"], "model.safetensors")).items():
-        expected = gguf.dequantize(gguf.quantize(weights, Q8_0), Q8_0) if weights.ndim == 2 else weights
-        np.testing.assert_array_equal(converted[name], expected, err_msg=name)
+        if weights.ndim == 1:
+            np.testing.assert_array_equal(converted[name], weights, err_msg=name)
+            continue
+        parts = (torch.from_numpy(converted[f"{name}.{part}"]) for part in ("codes", "scale", "offset"))
+        expected = gguf.dequantize(gguf.quantize(weights, qtype), qtype)
+        np.testing.assert_array_equal(GroupQuantized(*parts).dequantize().numpy(), expected, err_msg=name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # transformers reads no head_dim from a qwen3 GGUF (uses 128)
@@ -175,7 +181,7 @@ def test_errors_name_the_file(hf_dirs, tmp_path):
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     with pytest.raises(ValueError, match="gpt2.gguf: GGUF architecture 'gpt2' is not supported"):
         checkpoint_dir(str(tmp_path / "gpt2.gguf"), cache)
-    assert all(p.name.endswith(".lock") for p in (tmp_path / "cache" / "gguf" / "v1").iterdir())
+    assert all(p.name.endswith(".lock") for p in (tmp_path / "cache" / "gguf" / "v2").iterdir())
 
 
 # ---- a trained model: SmolLM2-135M-Instruct, Q4_1 (downloaded once into the cache, as the demo does) ----------
@@ -196,7 +202,7 @@ def test_smollm2_greedy_tokens_equal_transformers_on_the_gguf(smollm2, make_llm)
                                           add_generation_prompt=True)
             for question in ("What is the capital of France?", "Name a primary color.")]
     prompts = chat + ["The three primary colors are"]
-    llm = make_llm(gguf_path, max_model_len=512, num_kvcache_blocks=64)
+    llm = make_llm(gguf_path, max_model_len=512, num_kvcache_blocks=64, quantization="none")  # float32, as HF
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         expected = hf_greedy(os.path.dirname(gguf_path), tokenizer.encode(prompt), 10,

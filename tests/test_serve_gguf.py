@@ -1,5 +1,7 @@
 """`nanoserve serve FILE.gguf`: the file is converted once into the cache and served; a completion through the
-OpenAI API equals the offline engine's greedy text on the same file."""
+OpenAI API equals the offline engine's greedy text on the same file, a float32 one and a Q4_0 one (served, as
+offline, with its 4-bit codes by default: the server says so in its log)."""
+import gguf
 import openai
 import pytest
 from gguf_files import write_gguf
@@ -11,12 +13,14 @@ pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 PROMPT = "Paged attention keeps"
 
 
-def test_serve_a_gguf_file_equals_the_offline_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype, weights", [(gguf.GGMLQuantizationType.F32, "float: 10"),
+                                            (gguf.GGMLQuantizationType.Q4_0, "int8: 2, int4: 8")])
+def test_serve_a_gguf_file_equals_the_offline_engine(qtype, weights, tmp_path, monkeypatch):
     from nanoserve.tiny_model import build_tiny_model
 
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))  # the server converts where LLM(...) does
     hf_dir = build_tiny_model(str(tmp_path / "hf"), "llama", seed=5, rope_scaling=None)
-    model = write_gguf(hf_dir, str(tmp_path / "tiny-llama.gguf"), "llama")
+    model = write_gguf(hf_dir, str(tmp_path / "tiny-llama.gguf"), "llama", qtype=qtype)
     llm = LLM(model, device="cpu", num_kvcache_blocks=64)
     try:
         expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
@@ -28,3 +32,5 @@ def test_serve_a_gguf_file_equals_the_offline_engine(tmp_path, monkeypatch):
         completion = client.completions.create(model="tiny-gguf", prompt=PROMPT, temperature=0, max_tokens=10,
                                                extra_body={"ignore_eos": True})
     assert completion.choices[0].text == expected
+    log = (tmp_path / "tritonserver.log").read_text() + "".join(served.output)
+    assert f"nanoserve: weights (quantization=auto, --quantization none for float): {weights}" in log

@@ -14,6 +14,7 @@ from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # models/quantize.py
 MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
@@ -49,6 +50,10 @@ class EngineConfig:
                                                "(default: triton on cuda, torch on cpu)")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (one byte "
                                        "per value with per-layer scales: twice the blocks of a 16-bit cache)")
+    quantization: str | None = _arg("auto", "weights: int8 (per output channel) or int4 (groups of 32), "
+                                            "weight-only, quantized at load, on the CPU; none: float weights; "
+                                            "auto: a GGUF file's own quantization (Q8_0 as int8, Q4_0/Q4_1/Q4_K "
+                                            "as int4) on the CPU, float otherwise")
     seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")
@@ -72,6 +77,7 @@ class EngineConfig:
             self.attention_backend = "triton" if self.device_type == "cuda" else "torch"
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        self._check_quantization()
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -96,6 +102,15 @@ class EngineConfig:
         self._check_lora_args()
         self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
+
+    def _check_quantization(self):
+        if self.quantization is None:  # how "none" arrives from model.json and flags (coerce_engine_arg)
+            self.quantization = "none"
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization in ("int8", "int4") and self.device_type != "cpu":
+            raise ValueError(f"quantization: {self.quantization} weights run on the CPU only "
+                             f"(device is {self.device!r})")
 
     def _check_lora_args(self):
         _require_positive_int("max_loras", self.max_loras)

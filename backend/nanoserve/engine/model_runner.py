@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.models.lora import LoRAStore
+from nanoserve.models.quantize import quantize_weights
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -87,6 +89,7 @@ class ModelRunner:
             self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                           if config.enable_lora else None)
         load_weights(self.model, config.model)
+        self._quantize_weights()
         pack_cpu_weights(self.model)
         if self.device.type == "cpu":
             cpu_kernels()  # built or loaded now, while the model loads, rather than in the first request's step
@@ -101,6 +104,14 @@ class ModelRunner:
         self.step_prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = {}  # the last forward's
 
     # ---- setup ----
+    def _quantize_weights(self) -> None:
+        """The weights' formats (the quantization engine argument), said once, by rank 0."""
+        quantization = self.config.quantization if self.device.type == "cpu" else "none"
+        chosen = quantize_weights(self.model, quantization, self.dtype)
+        if get_tp_rank() == 0:
+            print(f"nanoserve: weights (quantization={quantization}, --quantization none for float): {chosen}",
+                  file=sys.stderr, flush=True)
+
     def init_kv_cache(self) -> int:
         """Allocate the KV cache (and capture CUDA graphs); returns its number of blocks. Every rank calls it
         at once: they agree on the smallest count."""

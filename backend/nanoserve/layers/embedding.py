@@ -20,6 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quantized = None  # an Int8Weight (layers/quantization.py) in the weight's place, when quantized
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] != self.num_embeddings:
@@ -31,15 +32,20 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding((input_ids - self.vocab_start) * local, self.weight)
+        out = self.lookup((input_ids - self.vocab_start) * local)
         return all_reduce(out * local.unsqueeze(-1).to(out.dtype))
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.embedding(rows, self.weight.dtype)
+        return F.embedding(rows, self.weight)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden [N, dim] -> logits [N, vocab], complete on rank 0 (None on the other ranks)."""
-    packed_weight: torch.Tensor | None = None  # set by layers.linear.pack_cpu_weights
+    packed_weight = None  # set by layers.linear.pack_cpu_weights, or a quantized weight (models/quantize.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = gather_last_dim(linear(hidden, self.weight, None, self.packed_weight))

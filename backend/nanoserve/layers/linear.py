@@ -10,6 +10,8 @@ runs in oneDNN: fp32 F.linear goes to MKL's sgemm, which on this project's CPUs 
 oneDNN's speed, and a weight reordered once spares each call the reorder. A bf16 weight is packed as bf16 where
 oneDNN has bf16 kernels for this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT), and as float32 elsewhere (AVX2): there
 torch's own bf16 matmul runs 4-7x slower than the float32 one from 16 rows up (docs/benchmarks.md).
+A quantized weight (layers/quantization.py, given by models/quantize.py) takes the packed weight's place and
+runs its own kernel.
 """
 from __future__ import annotations
 
@@ -70,11 +72,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 PACKED_ROWS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 384, 512)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the packed weight where there is one (x [T, in])."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the packed weight (a oneDNN tensor, or a quantized weight with its own
+    `linear`) where there is one (x [T, in])."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):
+        return packed.linear(x, bias)
     if packed.dtype != x.dtype:  # a bf16 model on a CPU without oneDNN's bf16 kernels: its weights pack as float32
         return linear(x.to(packed.dtype), weight, None if bias is None else bias.to(packed.dtype), packed).to(x.dtype)
     if x.shape[0] > PACKED_ROWS[-1]:
@@ -89,12 +93,12 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_cpu_weights(model: nn.Module) -> None:
-    """Pack every linear layer's weight (LinearBase and the LM head), once its weights are loaded. The packed copy
-    takes the place of a weight nothing else shares (a tied LM head's is the embedding's too), so the weights are
-    held once."""
+    """Pack every linear layer's float weight (LinearBase and the LM head; not the quantized ones), once its
+    weights are loaded. The packed copy takes the place of a weight nothing else shares (a tied LM head's is the
+    embedding's too), so the weights are held once."""
     uses = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     for module in model.modules():
-        if hasattr(module, "packed_weight"):
+        if hasattr(module, "packed_weight") and module.packed_weight is None:
             module.packed_weight = pack_weight(module.weight)
             if module.packed_weight is not None and uses[id(module.weight)] == 1:
                 module.weight.data = module.weight.data.new_empty(0)
@@ -121,7 +125,7 @@ class LinearBase(nn.Module):
         # them this rank takes); the output of a row-parallel layer is not sharded
         self.shards: dict = {None: (0, output_size, output_size, 0)}
         self.lora: nn.Module | None = None  # StackedLoRA (layers/lora.py), when the engine serves LoRA adapters
-        self.packed_weight: torch.Tensor | None = None  # set by pack_cpu_weights
+        self.packed_weight = None  # a oneDNN tensor (pack_cpu_weights) or a quantized weight (models/quantize.py)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of the checkpoint tensor of shard_id (a weight or a bias)."""

@@ -1,4 +1,7 @@
-"""Load a HF safetensors checkpoint (one file or many shards) into a (tensor-parallel) model."""
+"""Load a HF safetensors checkpoint (one file or many shards) into a (tensor-parallel) model. A weight may come as
+the codes, scales and offsets of a group-quantized one ("<name>.codes", ".scale", ".offset": a GGUF file's
+blocks, models/gguf.py): those go to the layer's `weight_groups`, which models/quantize.py turns into the layer's
+weight."""
 from __future__ import annotations
 
 import glob
@@ -8,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanoserve.layers.linear import default_weight_loader
+from nanoserve.layers.quantization import load_group_part, split_part
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
@@ -31,12 +35,17 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
                 if key.endswith(IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
                     continue
                 name, shard = map_name(key, packed)
+                name, part = split_part(name)
                 if name not in params:
                     unexpected.append(key)
                     continue
                 param = params[name]
                 try:
-                    getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(key), shard)
+                    if part is None:
+                        getattr(param, "weight_loader", default_weight_loader)(param, f.get_tensor(key), shard)
+                    else:
+                        load_group_part(model.get_submodule(name.rpartition(".")[0]), part, f.get_tensor(key),
+                                        shard)
                 except ValueError as e:
                     raise ValueError(f"weight {key!r} in {os.path.basename(path)}: {e}") from None
                 loaded.add((name, shard))

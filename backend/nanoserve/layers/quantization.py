@@ -1,0 +1,140 @@
+"""Weight-only quantized weights for the CPU's linear layers, run by torch's CPU kernels (client/bench_quant.py
+measured them against oneDNN's packed float32 and bfloat16; docs/benchmarks.md):
+
+- int8: one scale per output channel, w = q * scale (q in [-127, 127]); `aten._weight_int8pack_mm`.
+- int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
+  `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
+
+`GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
+(models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
+Both kernels take bfloat16 activations (with float32 ones they are 5-30x slower): a float32 model's activations
+are rounded to bfloat16 on the way in and its outputs widened on the way out; the kernels accumulate in float32.
+Scales and offsets are held in bfloat16 too, and the codes are computed against the rounded scales, so that what
+the kernel multiplies is exactly the quantized weight.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8", "int4")
+QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tensors: "<weight name>.<part>"
+GROUP_SIZE = 32  # inputs per int4 group: llama.cpp's block size, and a divisor of every hidden size we serve
+INT4_ROWS_MULTIPLE = 16  # the int4 kernel's layout packs 16 output rows together
+KERNEL_DTYPE = torch.bfloat16
+TINY = torch.finfo(KERNEL_DTYPE).tiny
+
+
+def rounded_up(scale: torch.Tensor) -> torch.Tensor:
+    """scale in KERNEL_DTYPE, no smaller than it was (bfloat16 keeps 8 significant bits)."""
+    return (scale.clamp_min(TINY) * (1 + 2 ** -7)).to(KERNEL_DTYPE)
+
+
+@dataclass
+class GroupQuantized:
+    """codes [N, K] (uint8), scale and offset [N, K / group] float32: w[n, k] = codes * scale + offset of the group
+    of k. Sharded like a weight: dim 0 by output rows, dim 1 by input groups."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K]."""
+        scale = self.scale.repeat_interleave(self.group, dim=1)
+        offset = self.offset.repeat_interleave(self.group, dim=1)
+        return self.codes.float() * scale + offset
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bits: int = 4, group: int = GROUP_SIZE) -> GroupQuantized:
+        """Asymmetric round-to-nearest over each group's [min, max]: |error| <= scale / 2."""
+        groups = weight.detach().float().reshape(weight.shape[0], -1, group)
+        low = groups.amin(dim=-1).to(KERNEL_DTYPE).float()  # (kept exactly by the kernel)
+        scale = rounded_up((groups.amax(dim=-1) - low) / (2 ** bits - 1)).float()
+        codes = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 2 ** bits - 1)
+        return cls(codes.reshape(weight.shape).to(torch.uint8), scale, low)
+
+
+class Int8Weight:
+    """An int8 weight [N, K] with one scale per output row. Also an embedding table: a tied LM head's rows are
+    its embeddings."""
+    name = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        self.qweight, self.scales = qweight, scales
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+        """Symmetric round-to-nearest per row: |error| <= scale / 2, scale ~ max |w| of the row / 127."""
+        weight = weight.detach().float()
+        scales = rounded_up(weight.abs().amax(dim=1) / 127)
+        qweight = (weight / scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(qweight, scales)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.scales.nbytes
+
+
+class Int4Weight:
+    """A 4-bit weight [N, K] in the int4 kernel's packed layout, with its groups' scales and offsets."""
+    name = "int4"
+
+    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group: int):
+        self.packed, self.scale_and_zero, self.group = packed, scale_and_zero, group
+
+    @classmethod
+    def from_groups(cls, groups: GroupQuantized) -> Int4Weight:
+        """ValueError where the layout cannot hold the weight: codes not uint8 in [0, 15], or a shape it lacks."""
+        rows, cols = groups.codes.shape
+        if rows % INT4_ROWS_MULTIPLE or cols % 2:
+            raise ValueError(f"int4 weights need a multiple of {INT4_ROWS_MULTIPLE} output rows and an even number "
+                             f"of inputs, got [{rows}, {cols}]")
+        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
+            raise ValueError("int4 weights need uint8 codes in [0, 15]")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32).contiguous(), 1)
+        zero = groups.offset + 8 * groups.scale  # the kernel computes (q - 8) * scale + zero
+        scale_and_zero = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+        return cls(packed, scale_and_zero, groups.group)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, self.group,
+                                                       self.scale_and_zero).to(x.dtype)
+        return y if bias is None else y + bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale_and_zero.nbytes
+
+
+def split_part(name: str) -> tuple[str, str | None]:
+    """'x.weight.codes' -> ('x.weight', 'codes'); a name of no GroupQuantized part -> (name, None)."""
+    weight, _, part = name.rpartition(".")
+    return (weight, part) if part in QUANTIZED_PARTS else (name, None)
+
+
+def load_group_part(module: nn.Module, part: str, loaded: torch.Tensor, shard_id=None) -> None:
+    """This rank's shard of one part of a GroupQuantized weight into module.weight_groups (sharded as the
+    module's weight is, by its weight_loader: a group's scale goes where its inputs go)."""
+    parts = module.__dict__.setdefault("weight_groups", {})
+    if part not in parts:
+        rows, cols = module.weight.shape
+        if part != "codes" and cols % GROUP_SIZE:
+            raise ValueError(f"group-quantized weights need {GROUP_SIZE} | inputs per rank, got {cols}")
+        parts[part] = torch.empty(rows, cols if part == "codes" else cols // GROUP_SIZE, dtype=loaded.dtype)
+    module.weight.weight_loader(parts[part], loaded, shard_id)

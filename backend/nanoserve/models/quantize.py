@@ -1,0 +1,87 @@
+"""Each weight matrix's format once the checkpoint is loaded (the `quantization` engine argument):
+
+- "auto": a GGUF file's kept codes (models/gguf.py) run as their kernel's format, 8-bit codes as int8 and
+  4-bit ones as FOUR_BIT; float weights stay float.
+- "int8" / "int4": every linear layer quantized at load (a layer the int4 layout cannot hold, int8).
+- "none": float weights; kept codes are dequantized.
+
+The token embedding and the LM head are int8 (per row) whenever they are quantized: a tied LM head shares the
+embedding's table. Norms and biases stay float. Runs after load_weights and before pack_cpu_weights.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.layers.linear import LinearBase
+from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+
+FOUR_BIT = "int4"  # the format 4-bit GGUF codes run as (client/bench_quant.py)
+
+
+def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) -> str:
+    """Give each linear layer and embedding its weight in the chosen format; returns how many modules got each,
+    for the log ("int8: 2, int4: 120": SmolLM2's embedding and tied LM head, and its 30 x 4 linear layers)."""
+    chosen, tables = Counter(), {}  # tables: id(float weight) -> its Int8Weight (a tied LM head's is shared)
+    for module in model.modules():  # the embedding before a tied LM head
+        if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            continue
+        groups = _pop_groups(module)
+        if id(module.weight) in tables:  # a tied LM head
+            _install(module, tables[id(module.weight)])
+            chosen["int8"] += 1
+            continue
+        target = _target(module, groups, quantization)
+        if target is None:
+            if groups is not None:
+                module.weight.data = groups.dequantize().to(device=module.weight.device, dtype=dtype)
+            chosen["float"] += 1
+            continue
+        weight = _quantized(groups.dequantize() if groups is not None else module.weight, groups, target)
+        tables[id(module.weight)] = weight
+        _install(module, weight)
+        chosen[weight.name] += 1
+    return ", ".join(f"{kind}: {count}" for kind, count in chosen.items())
+
+
+def _target(module, groups: GroupQuantized | None, quantization: str) -> str | None:
+    if quantization == "none" or (quantization == "auto" and groups is None):
+        return None
+    if isinstance(module, VocabParallelEmbedding):
+        return "int8"
+    if quantization == "auto":
+        return "int8" if groups.codes.dtype == torch.int8 else FOUR_BIT
+    return quantization
+
+
+def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target: str):
+    if target == "int4":
+        source = groups if groups is not None and groups.codes.dtype == torch.uint8 else None
+        try:
+            return Int4Weight.from_groups(source or GroupQuantized.from_float(float_weight))
+        except ValueError:
+            pass  # a shape the int4 layout cannot hold
+    return Int8Weight.from_float(float_weight)
+
+
+def _install(module: nn.Module, weight) -> None:
+    """The module computes with weight from now on; its float weight is freed (a tied LM head takes the
+    embedding's quantized table, quantize_weights)."""
+    if isinstance(module, (LinearBase, ParallelLMHead)):
+        module.packed_weight = weight
+    else:
+        module.quantized = weight
+    module.weight.data = module.weight.data.new_empty(0)
+
+
+def _pop_groups(module: nn.Module) -> GroupQuantized | None:
+    parts = module.__dict__.pop("weight_groups", None)
+    if parts is None:
+        return None
+    missing = {"codes", "scale", "offset"} - set(parts)
+    if missing:
+        raise ValueError(f"a group-quantized weight lacks its {', '.join(sorted(missing))}")
+    return GroupQuantized(parts["codes"], parts["scale"], parts["offset"])

@@ -1,0 +1,200 @@
+"""SmolLM2-135M-Instruct from its GGUF file, float32 vs bfloat16 vs int8 vs int4 weights, side by side (not a test).
+
+    python client/bench_weight_formats.py [--concurrency 1 16 64] [--rounds 2] [--served]
+
+Each format is one engine: float32 and bfloat16 with `quantization="none"` (the file's weights dequantized),
+int8 and int4 (`quantization="int8"`; `"auto"`, which runs the file's Q4_1 codes as int4). Offline, all four
+engines live in this process; with --served each is a `nanoserve serve FILE.gguf` and requests stream through
+its OpenAI `/v1/completions`. Every round runs each format at each concurrency (that many requests at once, random
+prompts of --prompt-len tokens, --max-tokens each with ignore_eos), the formats alternating and their order
+reversed every other round. Prints per run: output tok/s, inter-token latency p50, and at the end the medians as
+ratios to float32, with each format's weights' memory (the bytes of the model's weight tensors as the engine holds
+them: parameters, oneDNN-packed and quantized weights, each counted once).
+
+Offline, the engines compute on one thread (--threads) and the clock is that thread's CPU time, not wall time: on
+a machine whose cores other processes share, wall time measures their load as much as the engine (tok/s is then
+tokens per CPU-second of the engine's thread). Served, the clock is wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # triton_server.nanoserve_serve
+
+FORMATS = {"float32": dict(dtype="float32", quantization="none"),
+           "bfloat16": dict(dtype="bfloat16", quantization="none"),
+           "int8": dict(dtype="float32", quantization="int8"),
+           "int4": dict(dtype="float32", quantization="auto")}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights as the engine holds them, each tensor once (a tied LM head shares its table)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        held = list(module.parameters(recurse=False))
+        held += [getattr(module, name) for name in ("packed_weight", "quantized") if hasattr(module, name)]
+        for weight in held:
+            if weight is None or id(weight) in seen:
+                continue
+            seen.add(id(weight))
+            total += weight.nbytes if isinstance(weight, torch.Tensor) else weight.nbytes
+    return total
+
+
+class Offline:
+    def __init__(self, gguf_path: str, engine_args: dict):
+        from nanoserve import LLM
+
+        self.llm = LLM(gguf_path, device="cpu", max_model_len=512, **engine_args)
+        self.weight_bytes = weight_bytes(self.llm.engine.executor.runner.model)
+
+    def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
+        """(output tokens, wall seconds, inter-token gaps)."""
+        from nanoserve import SamplingParams
+
+        engine = self.llm.engine
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        last, gaps, tokens = {}, [], 0
+        start = time.thread_time()
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"bench-{i}-{time.perf_counter()}", prompt, params, stream=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                now = time.thread_time()
+                if out.request_id in last:
+                    gaps.append(now - last[out.request_id])
+                last[out.request_id] = now
+                tokens += len(out.new_token_ids)
+        return tokens, time.thread_time() - start, gaps
+
+    def close(self):
+        self.llm.shutdown()
+
+
+class Served:
+    def __init__(self, gguf_path: str, engine_args: dict, log_dir: Path):
+        import openai
+        from triton_server import nanoserve_serve
+
+        flags = [f"--{name}={value}" for name, value in engine_args.items()]
+        self.context = nanoserve_serve(gguf_path, log_dir, "--served-model-name", "bench", "--max-model-len", "512",
+                                       *flags)
+        served = self.context.__enter__()
+        self.client = openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=600)
+        self.weight_bytes = None
+
+    def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
+        gaps, errors, lock = [], [], threading.Lock()
+
+        def one(prompt):
+            try:
+                stream_one(prompt)
+            except Exception as e:  # noqa: BLE001  (raised again below, in the calling thread)
+                errors.append(e)
+
+        def stream_one(prompt):
+            stream = self.client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+            arrivals = [time.perf_counter() for chunk in stream if chunk.choices]
+            with lock:
+                gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(prompt,)) for prompt in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        # chunks carry text: a token that decodes to no text yet arrives with the next, so count tokens as asked
+        return max_tokens * len(prompts), time.perf_counter() - start, gaps
+
+    def close(self):
+        self.context.__exit__(None, None, None)
+
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven red birds sing about rivers mountains cities "
+         "music history science paper window garden engine coffee winter summer light shadow number story").split()
+
+
+def random_prompts(count: int, length: int, seed: int) -> list[str]:
+    """Text prompts of `length` random words (the OpenAI API takes text)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(length)) for _ in range(count)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32, help="words per prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    p.add_argument("--served", action="store_true", help="through `nanoserve serve`'s OpenAI API")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the offline engines")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from nanoserve.demo_model import smollm2_gguf
+
+    path = str(smollm2_gguf())
+    with tempfile.TemporaryDirectory() as tmp:
+        engines = {}
+        try:
+            for name in args.formats:
+                engines[name] = (Served(path, FORMATS[name], Path(tmp, name)) if args.served
+                                 else Offline(path, FORMATS[name]))
+                Path(tmp, name).mkdir(exist_ok=True)
+            results = bench(engines, args)
+        finally:
+            for engine in engines.values():
+                engine.close()
+    report(engines, results, args)
+
+
+def bench(engines: dict, args) -> dict:
+    results = {(name, c): [] for name in engines for c in args.concurrency}
+    for name, engine in engines.items():  # warm-up: oneDNN primitives, page faults
+        engine.run(random_prompts(2, args.prompt_len, seed=1), 4)
+    for round_index in range(args.rounds):
+        order = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
+        for c in args.concurrency:
+            prompts = random_prompts(c, args.prompt_len, seed=100 * round_index + c)  # new prompts: no cache hits
+            for name in order:
+                tokens, wall, gaps = engines[name].run(prompts, args.max_tokens)
+                results[name, c].append((tokens / wall, statistics.median(gaps) * 1e3))
+                print(f"round {round_index} c={c:3d} {name:9s} {tokens / wall:8.1f} tok/s  "
+                      f"ITL p50 {statistics.median(gaps) * 1e3:7.1f} ms", flush=True)
+    return results
+
+
+def report(engines: dict, results: dict, args) -> None:
+    base = "float32" if "float32" in engines else next(iter(engines))
+    print("\n| format | weights' memory | " + " | ".join(f"{c} req: tok/s (x {base}), ITL p50 ms"
+                                                        for c in args.concurrency) + " |")
+    print("| --- | ---: |" + " ---: |" * len(args.concurrency))
+    for name, engine in engines.items():
+        memory = engine.weight_bytes
+        base_memory = engines[base].weight_bytes
+        cells = [f"{memory / 2 ** 20:.0f} MiB ({memory / base_memory:.2f})" if memory else "-"]
+        for c in args.concurrency:
+            tok_s = statistics.median(r[0] for r in results[name, c])
+            base_tok_s = statistics.median(r[0] for r in results[base, c])
+            itl = statistics.median(r[1] for r in results[name, c])
+            cells.append(f"{tok_s:.1f} ({tok_s / base_tok_s:.2f}x), {itl:.0f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
