@@ -146,8 +146,9 @@ def test_an_fp8_cache_keeps_smollm2s_greedy_tokens(smollm2, make_llm):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                              add_generation_prompt=True) for q in questions]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
-    runs = [make_llm(gguf_path, max_model_len=256, num_kvcache_blocks=64, kv_cache_dtype=kv).generate(
-        prompts, params, use_tqdm=False) for kv in ("auto", "fp8")]
+    engine = dict(max_model_len=256, num_kvcache_blocks=64, quantization="none")  # the float weights: the cache alone
+    runs = [make_llm(gguf_path, kv_cache_dtype=kv, **engine).generate(prompts, params, use_tqdm=False)
+            for kv in ("auto", "fp8")]
     agree = [next((i for i, (a, b) in enumerate(zip(full.token_ids, fp8.token_ids)) if a != b), 16)
              for full, fp8 in zip(*runs)]
     # measured: [16, 16, 12, 6, 12] tokens before the first difference (fp8 keeps 3 mantissa bits: each K and V
