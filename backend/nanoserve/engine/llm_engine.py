@@ -46,7 +46,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}  # by name (add_lora)
         lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.block_manager, lora_slots)
+        self.scheduler = Scheduler(config, self.block_manager, lora_slots, config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer, eos, config.hf_config.vocab_size)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
@@ -180,7 +180,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled))
-        sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids)
+        sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_tokens)
         for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
             self.scheduler.finish(seq, reason)
         self.num_generation_tokens += len(sampled_seqs.seqs)
@@ -211,6 +211,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "generation_tokens": self.num_generation_tokens,
+            **(self.scheduler.spec_stats.as_dict() if self.scheduler.spec_stats is not None else {}),
         }
 
     def shutdown(self) -> None:
