@@ -172,10 +172,12 @@ def test_stop_token_max_tokens_and_stop_string_inside_a_run(qwen3_dir, make_llm)
     reference = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     llm.engine.scheduler.proposer = ReplayProposer([prompt], [reference.token_ids])
     stop_token = reference.token_ids[4]
+    generated = llm.stats()["generation_tokens"]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_token]),
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == reference.token_ids[:reference.token_ids.index(stop_token) + 1]
+    assert llm.stats()["generation_tokens"] - generated == len(out.token_ids)  # the run's rest is not counted
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "length" and out.token_ids == reference.token_ids[:5]
     text = llm.tokenizer.decode(reference.token_ids[:10])

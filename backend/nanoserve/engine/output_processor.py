@@ -79,6 +79,7 @@ class OutputProcessor:
         # streamed sequences whose prompt logprobs go with their first output, by (request id, index)
         self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
         self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
+        self.num_dropped_tokens = 0  # tokens of accepted runs after a stop (speculative decoding)
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -198,6 +199,7 @@ class OutputProcessor:
                 reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
                     self._finish_reason(state, token_id, num_tokens)
                 if reason is not None:
+                    self.num_dropped_tokens += len(seq.token_ids) - num_tokens
                     del seq.token_ids[num_tokens:]  # tokens of its run after the stop are dropped
                     finished.append((seq, reason))
                     del self.requests[seq.request_id]
