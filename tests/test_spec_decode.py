@@ -338,3 +338,15 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert (first[accepted] == draft).all() and (first[~accepted] != draft).all()
     # acceptance ~ Binomial(num_rows, p0(draft)): within 4.5 standard deviations
     assert abs(accepted.sum() - num_rows * p0[draft]) < 4.5 * np.sqrt(num_rows * p0[draft] * (1 - p0[draft]))
+
+
+def test_triton_attention_backend_verifies_runs(qwen3_dir, make_llm):
+    """The Triton kernels (the GPU's attention; on the CPU through TRITON_INTERPRET=1) on steps that verify runs."""
+    prompts = repetitive_prompts(seed=13)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = generate(make_llm(qwen3_dir, kvcache_block_size=BLOCK), prompts, params)
+    llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, attention_backend="triton", num_kvcache_blocks=32,
+                   speculative_config=NGRAM)
+    llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={4})
+    assert generate(llm, prompts, params) == base
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
