@@ -54,7 +54,10 @@ def generate(llm, prompts, params):
 # ---- configuration ----------------------------------------------------------------------------------------------
 def test_defaults_and_vllm_spelling(qwen3_dir):
     config = EngineConfig.from_kwargs(qwen3_dir, device="cpu", speculative_config={"method": "ngram"})
-    assert config.speculative_config == SpeculativeConfig("ngram", 4, 3, 5, None)
+    assert config.speculative_config == SpeculativeConfig("ngram", 4, 3, 5, 32)
+    always = {"method": "ngram", "disable_by_batch_size": None}
+    assert EngineConfig.from_kwargs(qwen3_dir, device="cpu", speculative_config=always).speculative_config == \
+        SpeculativeConfig(disable_by_batch_size=None)
     given = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
              "disable_by_batch_size": 8}
     assert EngineConfig.from_kwargs(qwen3_dir, device="cpu", speculative_config=given).speculative_config == \

@@ -158,7 +158,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # proposed tokens per request and step, at most
     prompt_lookup_min: int = 3  # the shortest suffix of the request's tokens looked up
     prompt_lookup_max: int = 5  # the longest (longer matches are tried first)
-    disable_by_batch_size: int | None = None  # speculate only while fewer requests run (None: always)
+    # speculate only while fewer requests run (None: always). At a large batch a step's cost grows with its
+    # tokens, so proposals gain little and rejected ones cost (docs/benchmarks.md: 64 requests on a CPU)
+    disable_by_batch_size: int | None = 32
 
     @classmethod
     def from_dict(cls, given) -> "SpeculativeConfig":
