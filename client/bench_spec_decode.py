@@ -6,7 +6,7 @@ Workloads (greedy):
   sentences), at 1 concurrent request (one after the other) and at 8 (all 8 at once);
 - random: prompts of random token ids, whose output never repeats them, 64 at once.
 Prints, per workload and engine, output tokens / second and the mean time per output token of the requests, the
-median ratio over the rounds, and the acceptance rate.
+median ratio over the rounds (the two engines take turns going first), and the acceptance rate.
 
     python client/bench_spec_decode.py --rounds 3
 """
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--random-count", type=int, default=64)
     parser.add_argument("--random-max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--only", help="run only the workloads whose name contains this (grounded, random)")
     args = parser.parse_args()
     import torch
 
@@ -109,8 +110,11 @@ def main() -> None:
     print(f"speculative_config: {json.dumps(spec)}; rounds: {args.rounds}, alternating\n")
     for name, (prompts, params, concurrency) in workloads.items():
         results = {key: [] for key in engines}
-        for _ in range(args.rounds):
-            for key, engine in engines.items():
+        if args.only and args.only not in name:
+            continue
+        for round_index in range(args.rounds):
+            order = list(engines.items())
+            for key, engine in order if round_index % 2 == 0 else order[::-1]:  # each goes first in turn
                 before = dict(engine.stats())
                 results[key].append(run(engine, prompts, params, concurrency))
                 after = engine.stats()

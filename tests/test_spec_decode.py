@@ -124,6 +124,8 @@ def test_accepted_runs_are_exact_and_counted(qwen3_dir, make_llm):
     assert generate(llm, prompts, GREEDY) == base
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 0.6 * stats["spec_decode_num_draft_tokens"]
+    assert stats["spec_decode_acceptance_rate"] == \
+        stats["spec_decode_num_accepted_tokens"] / stats["spec_decode_num_draft_tokens"]
     per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == stats["spec_decode_num_accepted_tokens"] and per_pos[0] >= per_pos[1] >= per_pos[2]
     assert stats["spec_decode_num_drafts"] <= stats["spec_decode_num_draft_tokens"]
