@@ -128,7 +128,8 @@ class TritonPythonModel:
         gc.freeze()
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
-                               max_model_len=config.max_model_len)
+                               max_model_len=config.max_model_len,
+                               num_speculative_tokens=_num_speculative_tokens(config))
         self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
         self.metrics.publish()
         self.engine_thread = EngineThread(self.engine, self.events).start()
@@ -200,6 +201,12 @@ class TritonPythonModel:
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it
         self.engine.shutdown()
+
+
+def _num_speculative_tokens(config) -> int:
+    """Draft positions the spec_decode metrics count (0: speculation off, no such metrics)."""
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens
 
 
 def _add_loras(engine, adapters: dict[str, str]) -> None:

@@ -506,7 +506,8 @@ def fake_pb_with_metrics(calls):
             self.name = name
 
         def Metric(self, labels, buckets=None):
-            return FakeMetric(calls, self.name + "".join(f"{{{k}={v}}}" for k, v in labels.items() if k == "reason"))
+            return FakeMetric(calls, self.name + "".join(f"{{{k}={v}}}" for k, v in labels.items()
+                                                         if k in ("reason", "position")))
 
     return SimpleNamespace(MetricFamily=MetricFamily)
 
@@ -538,6 +539,28 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
     metrics.record_engine(engine_stats(running=2, used=6))
     metrics.publish()
     assert calls == [] and not metrics.unpublished  # unchanged gauges cost no call
+
+
+def test_spec_decode_counters_follow_the_engine_under_both_names():
+    from nanoserve.serving.metrics import Metrics
+
+    calls = []
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True, num_speculative_tokens=2)
+    spec = {"spec_decode_num_drafts": 3, "spec_decode_num_draft_tokens": 5, "spec_decode_num_accepted_tokens": 4,
+            "spec_decode_num_accepted_tokens_per_pos": [3, 1]}
+    metrics.record_engine({**engine_stats(running=1, used=2), **spec})
+    metrics.record_engine({**engine_stats(running=1, used=2), **spec, "spec_decode_num_drafts": 4})
+    metrics.publish()
+    sent = {name: value for kind, name, value in calls if kind == "increment"}
+    for prefix in ("nanoserve_", "vllm:"):
+        assert sent[f"{prefix}spec_decode_num_drafts_total"] == 4
+        assert sent[f"{prefix}spec_decode_num_draft_tokens_total"] == 5
+        assert sent[f"{prefix}spec_decode_num_accepted_tokens_total"] == 4
+        assert sent[f"{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position=0}}"] == 3
+        assert sent[f"{prefix}spec_decode_num_accepted_tokens_per_pos_total{{position=1}}"] == 1
+    calls.clear()
+    Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True).record_engine(
+        {**engine_stats(running=1, used=2), **spec})  # speculation off: no such families, nothing recorded
 
 
 def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():

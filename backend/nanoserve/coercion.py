@@ -33,9 +33,9 @@ def optional_bool(name: str, value, default: bool = False) -> bool:
 
 
 def from_text(name: str, kind: str, value):
-    """value for a field whose annotation is `kind` ("bool", "int | None", "float", "list[int]", "str", ...):
-    strings are parsed by the table (a list from its JSON text; "none"/"null" for an optional field that is not a
-    string); other values are returned as they are, for the field's own check."""
+    """value for a field whose annotation is `kind` ("bool", "int | None", "float", "list[int]", "dict", "str",
+    ...): strings are parsed by the table (a list or a dict from its JSON text; "none"/"null" for an optional field
+    that is not a string); other values are returned as they are, for the field's own check."""
     if not isinstance(value, str):
         return value
     text, base = value.strip(), kind.split("|")[0].strip()
@@ -48,7 +48,7 @@ def from_text(name: str, kind: str, value):
             return int(text)
         if base == "float":
             return float(text)
-        if base.startswith("list") and base != "list[str]":
+        if base.startswith("list") and base != "list[str]" or base == "dict":
             return json.loads(text)
     except ValueError:
         raise ValueError(f"{name}: expected {_article(base)}, got {value!r}") from None
@@ -56,4 +56,4 @@ def from_text(name: str, kind: str, value):
 
 
 def _article(kind: str) -> str:
-    return {"int": "an integer", "float": "a number"}.get(kind, f"a JSON {kind}")
+    return {"int": "an integer", "float": "a number", "dict": "a JSON object"}.get(kind, f"a JSON {kind}")

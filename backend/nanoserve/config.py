@@ -62,6 +62,10 @@ class EngineConfig:
     max_lora_rank: int = _arg(16, f"largest LoRA rank an adapter may have, in [1, {MAX_LORA_RANK}]")
     max_cpu_loras: int | None = _arg(None, "LoRA adapters kept in CPU memory, least recently used evicted first, "
                                            ">= max_loras (default: max_loras)")
+    speculative_config: dict | None = _arg(None, "speculative decoding, as vLLM spells it: a JSON object "
+                                                 '{"method": "ngram", "num_speculative_tokens": K, '
+                                                 '"prompt_lookup_min": A, "prompt_lookup_max": B, '
+                                                 '"disable_by_batch_size": N} (default: off)')
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -100,6 +104,8 @@ class EngineConfig:
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib: must be > 0, got {self.cpu_kvcache_space_gib}")
         self._check_lora_args()
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
 
@@ -168,6 +174,44 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model=model, **{k: coerce_engine_arg(k, v) for k, v in engine_args.items()})
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (n-gram): each step, a decoding request whose last
+    prompt_lookup_max .. prompt_lookup_min tokens occurred earlier in its prompt or output proposes the (up to
+    num_speculative_tokens) tokens that followed there, and one forward verifies them."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # proposed tokens per request and step, at most
+    prompt_lookup_min: int = 3  # the shortest suffix of the request's tokens looked up
+    prompt_lookup_max: int = 5  # the longest (longer matches are tried first)
+    # speculate only while fewer requests run (None: always). At a large batch a step's cost grows with its
+    # tokens, so proposals gain little and rejected ones cost (docs/benchmarks.md: 64 requests on a CPU)
+    disable_by_batch_size: int | None = 32
+
+    @classmethod
+    def from_dict(cls, given) -> "SpeculativeConfig":
+        """vLLM's spelling; ValueError naming the field for anything this engine cannot run."""
+        if not isinstance(given, dict):
+            raise ValueError(f"speculative_config: expected a JSON object, got {given!r}")
+        if "model" in given:
+            raise ValueError("speculative_config.model: draft-model speculation is not supported; use "
+                             '{"method": "ngram", ...}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+        config = cls(**given)
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config.method: must be 'ngram', got {config.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            _require_positive_int(f"speculative_config.{name}", getattr(config, name))
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min: {config.prompt_lookup_min} exceeds "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        if config.disable_by_batch_size is not None:
+            _require_positive_int("speculative_config.disable_by_batch_size", config.disable_by_batch_size)
+        return config
 
 
 # vLLM's names for nanoserve's own engine arguments: LLM(...), model.json and `nanoserve serve` take either

@@ -69,6 +69,10 @@ class InputBatch:
         # the rows that sample in the step being run, in order: their slots, their lengths (tokens held before
         # the sampled one), and where the sampled tokens go in token_ids (they come with the next diff)
         self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
+        # speculative decoding: per sampling row of the step being run, the proposals it verifies (None: none);
+        # its logits rows are the 1 + that many tokens ending the row's tokens in the step
+        self.num_draft_tokens: np.ndarray | None = None
+        self.draft_token_ids = np.zeros(0, dtype=np.int64)  # the proposals, in row order
         max_blocks = -(-max_model_len // block_size)
         width = max_blocks * block_size  # every position a row's blocks can cover
         self.token_ids = np.zeros((max_num_seqs, width), dtype=np.int32)
@@ -101,8 +105,11 @@ class InputBatch:
 
     # ---- diffs ----
     def update(self, out: SchedulerOutput) -> None:
-        assert len(self._next_token_index) == len(out.new_token_ids), "sampled tokens do not match the rows"
-        self._flat_token_ids[self._next_token_index] = out.new_token_ids
+        next_index = self._next_token_index
+        if len(out.new_token_counts):  # a row verified proposals: its accepted ones and the token after them
+            next_index = np.repeat(next_index, out.new_token_counts) + _offsets_in_groups(out.new_token_counts)
+        assert len(next_index) == len(out.new_token_ids), "sampled tokens do not match the rows"
+        self._flat_token_ids[next_index] = out.new_token_ids
         self._next_token_index = self._next_token_index[:0]
         if out.finished_ids or out.preempted_ids:
             self._remove(out.finished_ids + out.preempted_ids)
@@ -175,9 +182,13 @@ class InputBatch:
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's inputs: row r computes positions num_computed_tokens[r] .. + num_scheduled_tokens[r]."""
         counts, computed, slots, samples = out.num_scheduled_tokens, out.num_computed_tokens, self.slots, out.samples
+        drafts = out.num_draft_tokens
+        if len(drafts):
+            self._write_drafts(out)
         if np.count_nonzero(counts) < len(counts):  # rows the budget left out are not in the step
             rows = counts.nonzero()[0]
             counts, computed, slots, samples = counts[rows], computed[rows], slots[rows], samples[rows]
+            drafts = drafts[rows] if len(drafts) else drafts
         num_rows = len(counts)
         if out.num_batched_tokens == num_rows:  # one token per row: the rows are the tokens
             query_start_loc = np.arange(num_rows + 1, dtype=np.int32)
@@ -197,7 +208,14 @@ class InputBatch:
         if np.count_nonzero(samples) < num_rows:  # a prompt chunk short of its end samples nothing
             self.sampling_slots, self.sampling_lengths, logits_indices = slots[samples], seq_lens[samples], \
                 logits_indices[samples]
+            drafts = drafts[samples] if len(drafts) else drafts
+        self.num_draft_tokens = None
+        if len(drafts):
+            logits_indices = self._verifying(logits_indices, drafts, positions)
+            self.draft_token_ids = out.draft_token_ids
         self._next_token_index = token_index[logits_indices] + 1
+        if self.num_draft_tokens is not None:
+            self._next_token_index = self._next_token_index[np.cumsum(drafts + 1) - (drafts + 1)]
         return StepInputs(self._flat_token_ids.take(token_index).astype(np.int64), positions,
                           self._flat_kv_slots.take(token_index).astype(np.int64), query_start_loc,
                           seq_lens.astype(np.int32),
@@ -205,6 +223,25 @@ class InputBatch:
                           logits_indices, max_query_len, max_seq_len,
                           self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None,
                           self.lora_slot.take(token_slots) if self.num_lora_rows else None)
+
+    def _write_drafts(self, out: SchedulerOutput) -> None:
+        """The proposed tokens into the rows' token ids, after each row's last token."""
+        drafts = out.num_draft_tokens
+        rows = np.flatnonzero(drafts)
+        counts = drafts[rows]
+        first = out.num_computed_tokens[rows] + out.num_scheduled_tokens[rows] - counts
+        index = np.repeat(self._row_start[self.slots[rows]] + first, counts) + _offsets_in_groups(counts)
+        self._flat_token_ids[index] = out.draft_token_ids
+
+    def _verifying(self, logits_indices: np.ndarray, drafts: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The logits indices of a step whose sampling rows verify proposals: each row's last 1 + drafts tokens.
+        The sampling rows become one per logits row, each with its length before the token it samples."""
+        groups = drafts + 1
+        logits_indices = np.repeat(logits_indices - drafts, groups) + _offsets_in_groups(groups)
+        self.sampling_slots = np.repeat(self.sampling_slots, groups)
+        self.sampling_lengths = positions[logits_indices] + 1
+        self.num_draft_tokens = drafts
+        return logits_indices
 
     def _prompt_positions(self, out: SchedulerOutput) -> PromptPositions | None:
         """The step's prompt positions whose logits the rows wanting prompt logprobs need; None if there are none."""
@@ -245,8 +282,17 @@ class InputBatch:
             meta.logprob_rows = np.flatnonzero(counts >= 0).tolist()
             meta.max_logprobs = int(counts.max(initial=0))
         if bitmask is not None:
-            meta.token_bitmask = (_tensor(bitmask.bitmask.numpy(), device), bitmask.rows)
+            meta.token_bitmask = self._bitmask(bitmask, device)
         return meta
+
+    def _bitmask(self, bitmask: TokenBitmask, device) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask over the step's logits rows (a row with structured outputs proposes nothing: one row)."""
+        words, rows = bitmask.bitmask.numpy(), bitmask.rows
+        if self.num_draft_tokens is not None:
+            first_rows = np.cumsum(self.num_draft_tokens + 1) - (self.num_draft_tokens + 1)
+            words = words[np.repeat(np.arange(len(first_rows)), self.num_draft_tokens + 1)]
+            rows = first_rows[rows].tolist()
+        return _tensor(np.ascontiguousarray(words), device), rows
 
     def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
         if greedy is not None and greedy.any():
@@ -307,7 +353,6 @@ class InputBatch:
             return None
         return _tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device)
 
-
     def _logit_bias(self, slots: np.ndarray, device) -> tuple[torch.Tensor, ...] | None:
         """(rows, token ids, biases) of the rows with logit_bias."""
         rows, token_ids, biases = [], [], []
@@ -321,6 +366,11 @@ class InputBatch:
             return None
         return (_tensor(np.array(rows, dtype=np.int64), device), _tensor(np.array(token_ids, dtype=np.int64), device),
                 _tensor(np.array(biases, dtype=np.float32), device))
+
+
+def _offsets_in_groups(sizes: np.ndarray) -> np.ndarray:
+    """0, 1, .., sizes[0] - 1, 0, 1, .., sizes[1] - 1, ...: each entry's place in its group."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
 
 
 def _tensor(values: np.ndarray, device) -> torch.Tensor:

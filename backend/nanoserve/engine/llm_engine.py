@@ -46,7 +46,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}  # by name (add_lora)
         lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.block_manager, lora_slots)
+        self.scheduler = Scheduler(config, self.block_manager, lora_slots, config.speculative_config)
         self.output_processor = OutputProcessor(self.tokenizer, eos, config.hf_config.vocab_size)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
@@ -178,13 +178,16 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled))
-        sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids)
+        sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_tokens)
         for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
             self.scheduler.finish(seq, reason)
         for seq in sampled_seqs.scored:
             outputs.append(self.output_processor.scored(seq))
             self.scheduler.finish(seq, "length")
         self.num_generation_tokens += len(sampled_seqs.seqs)
+        if sampled.num_tokens is not None:  # tokens of accepted runs after a stop are not output
+            self.num_generation_tokens -= self.output_processor.num_dropped_tokens
+            self.output_processor.num_dropped_tokens = 0
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
         if self.pending_outputs:
@@ -212,6 +215,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "generation_tokens": self.num_generation_tokens,
+            **(self.scheduler.spec_stats.as_dict() if self.scheduler.spec_stats is not None else {}),
         }
 
     def shutdown(self) -> None:

@@ -53,6 +53,9 @@ class RunnerOutput:
     # for the rows that want prompt logprobs and computed prompt positions: request id -> (index in the prompt of
     # the first token they are about, their logprobs)
     prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
+    # speculative decoding: per sampling row, its tokens among token_ids (its accepted proposals and the token
+    # after them); None: one each. logprobs and top_logprobs are then per token too
+    num_tokens: np.ndarray | None = None
 
 
 def pick_device(config: EngineConfig, rank: int) -> torch.device:
@@ -294,7 +297,10 @@ class ModelRunner:
         token_ids, logprobs = sampled.token_ids, sampled.sampled_logprobs
         if self.device.type != "cpu":  # (.cpu() costs host time even on a CPU tensor)
             token_ids, logprobs = token_ids.cpu(), logprobs.cpu()
-        return RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, self.step_prompt_logprobs)
+        out = RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, self.step_prompt_logprobs)
+        if self.batch.num_draft_tokens is not None:
+            out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
+        return out
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""
@@ -318,3 +324,24 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.graphs = None
         self._bind_kv_cache(None)
+
+
+def verify(sampled: RunnerOutput, num_draft_tokens: np.ndarray, draft_token_ids: np.ndarray) -> RunnerOutput:
+    """Speculative sampling with proposals that are a point mass (n-gram): each sampling row sampled the target
+    model at its last token and at each proposed one (token i given proposals 1..i), exactly as decoding one
+    token at a time would. A proposal is accepted while it equals the target's token, which happens with
+    probability p(proposal); at the first mismatch the target's token stands, drawn from p given that it is not
+    the proposal: the standard rule (accept with min(1, p/q), else draw from max(0, p - q) normalized) for q a
+    point mass. So every row emits its accepted proposals and the target's token after them."""
+    groups = num_draft_tokens + 1
+    starts = np.cumsum(groups) - groups
+    place = np.arange(len(sampled.token_ids)) - np.repeat(starts, groups)  # 0 at each row's own last token
+    is_draft = place < np.repeat(num_draft_tokens, groups)  # the target's tokens at proposed positions
+    mismatch = np.ones(len(place), dtype=bool)
+    mismatch[is_draft] = sampled.token_ids[is_draft] != draft_token_ids
+    num_accepted = np.minimum.reduceat(np.where(mismatch, place, len(place)), starts)
+    keep = place <= np.repeat(num_accepted, groups)
+    index = np.cumsum(keep) - 1  # a kept logits row's place among the emitted tokens
+    top = {int(index[row]): entry for row, entry in sampled.top_logprobs.items() if keep[row]}
+    return RunnerOutput(sampled.token_ids[keep], sampled.logprobs[keep], top, sampled.prompt_logprobs,
+                        num_accepted + 1)

@@ -79,6 +79,7 @@ class OutputProcessor:
         # streamed sequences whose prompt logprobs go with their first output, by (request id, index)
         self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
         self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
+        self.num_dropped_tokens = 0  # tokens of accepted runs after a stop (speculative decoding)
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -189,8 +190,11 @@ class OutputProcessor:
         if looked_at is not None:
             rows = compress(rows, looked_at.tolist())
         finished = []
+        runs = sampled.num_tokens is not None  # rows verified proposals: a sequence may have several tokens
         for state, token_id, logprob, may_stop, row in rows:
             seq = state.seq
+            if runs and seq.request_id not in self.requests:
+                continue  # it stopped at an earlier token of its run
             new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprob
@@ -201,9 +205,12 @@ class OutputProcessor:
             reason, done = None, False
             grammar_ends = seq.grammar is not None and seq.grammar.advance(token_id)
             if may_stop or grammar_ends or detokenizer.stop_matched is not None:
+                num_tokens = int(sampled_seqs.num_tokens[row])  # the sequence's length with this token
                 reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
-                    self._finish_reason(state, token_id)
+                    self._finish_reason(state, token_id, num_tokens)
                 if reason is not None:
+                    self.num_dropped_tokens += len(seq.token_ids) - num_tokens
+                    del seq.token_ids[num_tokens:]  # tokens of its run after the stop are dropped
                     finished.append((seq, reason))
                     del self.requests[seq.request_id]
                     self.watched.discard(seq.request_id)
@@ -214,10 +221,12 @@ class OutputProcessor:
                         continue
                     delta += detokenizer.flush()
             if state.stream:
-                outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason,
-                                             seq.num_prompt_tokens, len(seq.token_ids) - seq.num_prompt_tokens,
-                                             state.cumulative_logprob, new_logprobs, seq.num_cached_tokens,
-                                             new_ranks, state.index))
+                output = RequestOutput(state.request_id, [token_id], delta, done, reason, seq.num_prompt_tokens,
+                                       len(seq.token_ids) - seq.num_prompt_tokens, state.cumulative_logprob,
+                                       new_logprobs, seq.num_cached_tokens, new_ranks, state.index)
+                if runs:
+                    output = self._run_output(state, output, outputs, int(sampled_seqs.num_tokens[row]))
+                outputs.append(output)
         if self.prompt_logprobs_due:
             self._attach_prompt_logprobs(outputs)
         if finished:
@@ -250,13 +259,32 @@ class OutputProcessor:
         state.logprob_ranks.append(rank)
         return [entry], [rank]
 
-    def _finish_reason(self, state: RequestState, token_id: int) -> str | None:
+    @staticmethod
+    def _run_output(state: RequestState, output: RequestOutput, outputs: list[RequestOutput],
+                    num_tokens: int) -> RequestOutput:
+        """One streamed output per sequence and step: a token after the first of its run joins the output of the
+        ones before it (the last in outputs), which it replaces."""
+        output.num_output_tokens = num_tokens - state.seq.num_prompt_tokens
+        last = outputs[-1] if outputs else None
+        if last is None or last.request_id != state.request_id or last.index != state.index:
+            return output
+        outputs.pop()
+        last.new_token_ids += output.new_token_ids
+        last.text_delta += output.text_delta
+        last.new_logprobs = last.new_logprobs + output.new_logprobs
+        last.new_logprob_ranks = last.new_logprob_ranks + output.new_logprob_ranks
+        last.finished, last.finish_reason = output.finished, output.finish_reason
+        last.num_output_tokens, last.cumulative_logprob = output.num_output_tokens, output.cumulative_logprob
+        return last
+
+    def _finish_reason(self, state: RequestState, token_id: int, num_tokens: int) -> str | None:
+        """Why the sequence stops at token_id, which makes it num_tokens long (None: it goes on)."""
         seq = state.seq
         params = seq.sampling_params
-        if seq.num_output_tokens >= params.min_tokens and (
+        if num_tokens - seq.num_prompt_tokens >= params.min_tokens and (
                 token_id in state.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids)):
             return "stop"
-        if seq.num_tokens >= seq.max_num_tokens:
+        if num_tokens >= seq.max_num_tokens:
             return "length"
         return None
 

@@ -9,10 +9,12 @@ from itertools import compress
 
 import numpy as np
 
+from nanoserve.config import SpeculativeConfig
 from nanoserve.engine.block_manager import BlockManager, block_offset
 from nanoserve.engine.lora import LoRASlots
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.speculative import NgramProposer, SpecDecodeStats
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_SAMPLES = np.zeros(0, dtype=bool)
@@ -28,7 +30,8 @@ class SampledSeqs:
 
 
 class Scheduler:
-    def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None):
+    def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -46,6 +49,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # running sequences that finished or were aborted since schedule()
         self.fork_sources: dict[str, Sequence] = {}  # a later sample's id -> its request's first, until admitted
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
+        self._new_token_counts = _NO_TOKENS  # how many of them per row (empty: one each)
+        self.speculative = spec = speculative  # None: no speculative decoding
+        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.spec_stats = None if spec is None else SpecDecodeStats(spec.num_speculative_tokens)
 
     # ---- queues ----
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -105,16 +112,22 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(self._new_token_ids, self._finished_ids, [], [], [], _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
-        self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+        out = SchedulerOutput(self._new_token_ids, self._new_token_counts, self._finished_ids, [], [], [],
+                              _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
+        self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
         counts, num_batched = self._schedule_running(out)
+        if self.proposer is not None and not out.preempted_ids and self._speculates():
+            counts, num_batched = self._schedule_drafts(out, counts, num_batched)
         if self.waiting and not out.preempted_ids:
             counts, num_batched = self._schedule_waiting(out, counts, num_batched)
         columns = self.columns[:, :len(self.running)]  # (indexing rows: unpacking the array costs more)
         computed, num_tokens, num_prompt = columns[0], columns[1], columns[3]
         out.num_computed_tokens, out.num_scheduled_tokens = computed.copy(), counts
-        # the step reaches the last token (every row lacks one), and the row may grow (max_tokens 0 may not)
-        out.samples = (counts == num_tokens - computed) & (num_tokens < columns[4])
+        # the step reaches the last token (every row lacks one; a row verifying proposals goes past it), and the
+        # row may grow (max_tokens 0 may not)
+        out.samples = (counts >= num_tokens - computed) & (num_tokens < columns[4])
+        if len(out.num_draft_tokens) and len(out.num_draft_tokens) < len(counts):  # admitted rows propose nothing
+            out.num_draft_tokens = np.pad(out.num_draft_tokens, (0, len(counts) - len(out.num_draft_tokens)))
         out.num_batched_tokens = num_batched
         in_prompt = num_prompt > computed
         if np.count_nonzero(in_prompt):
@@ -139,6 +152,53 @@ class Scheduler:
             counts = counts[:len(self.running)]
             num_batched = int(np.add.reduce(counts))
         return counts, num_batched
+
+    def _speculates(self) -> bool:
+        limit = self.speculative.disable_by_batch_size
+        return bool(self.running) and (limit is None or len(self.running) < limit)
+
+    def _schedule_drafts(self, out: SchedulerOutput, counts: np.ndarray, num_batched: int) -> tuple[np.ndarray, int]:
+        """Proposed tokens for the decoding rows, within the budget, the length limits and the free blocks (a
+        proposal never preempts): they are computed after the row's last token, which verifies them."""
+        columns = self.columns[:, :len(counts)]
+        computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
+        budget = self.max_num_batched_tokens - num_batched
+        drafts, draft_ids = np.zeros(len(counts), dtype=np.int64), []
+        for row in np.flatnonzero((counts == 1) & (num_tokens - computed == 1)).tolist():
+            if budget <= 0:
+                break
+            seq = self.running[row]
+            limit = min(self.speculative.num_speculative_tokens, budget, int(max_num_tokens[row] - num_tokens[row]) - 1)
+            if limit <= 0 or seq.grammar is not None:  # structured outputs: no speculation
+                continue
+            draft = self.proposer.propose(seq.token_ids, limit)
+            draft = draft[:self._room_for(row, len(draft), out)]
+            drafts[row] = len(draft)
+            draft_ids += draft
+            budget -= len(draft)
+        if not draft_ids:
+            return counts, num_batched
+        out.num_draft_tokens, out.draft_token_ids = drafts, np.array(draft_ids, dtype=np.int64)
+        return counts + drafts, num_batched + len(draft_ids)
+
+    def _room_for(self, row: int, num_draft: int, out: SchedulerOutput) -> int:
+        """How many of num_draft proposed tokens running[row] can hold KV for, taking free blocks if needed."""
+        seq, block_manager = self.running[row], self.block_manager
+        num_tokens, capacity = int(self.columns[1, row]), int(self.columns[2, row])
+        needed = block_manager.num_blocks_needed(seq, num_tokens + num_draft)
+        if not needed:
+            return num_draft
+        if not block_manager.can_allocate(needed):
+            return capacity - num_tokens
+        new_ids = block_manager.allocate(seq, num_tokens + num_draft)
+        self.columns[2, row] = len(seq.block_table) * self.block_size
+        for grown_row, ids in out.new_block_ids:  # the row may have grown for its last token already
+            if grown_row == row:
+                ids.extend(new_ids)
+                break
+        else:
+            out.new_block_ids.append((row, new_ids))
+        return num_draft
 
     def _grow(self, row: int, num_tokens: int, out: SchedulerOutput) -> bool:
         """Blocks for running[row] to hold num_tokens, preempting the newest rows as needed; False when it had to
@@ -230,35 +290,76 @@ class Scheduler:
             return 0
         return self.block_manager.allocate_cached_prefix(seq)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray) -> SampledSeqs:
+    def update(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
+               num_new_tokens: np.ndarray | None = None) -> SampledSeqs:
         """After the step `out` described ran (no sequence finished in between): record the computed KV, append
-        the sampled tokens (one per sampling row, in row order) and register newly full blocks in the prefix
-        cache. Returns the sequences that got a token, and those whose prompt is all computed that sample nothing
-        (max_tokens 0)."""
+        the sampled tokens (one per sampling row in row order; with proposals, num_new_tokens[i] for sampling row
+        i: its accepted proposals and the token after them) and register newly full blocks in the prefix cache.
+        Returns the sequences that got tokens, one entry per token, and those whose prompt is all computed that
+        sample nothing (max_tokens 0)."""
         running, samples, counts = self.running, out.samples, out.num_scheduled_tokens
         assert len(running) == out.num_rows, "the running sequences changed between schedule() and update()"
         columns = self.columns[:, :len(running)]
         computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
         computed += counts
+        scored = self._scored(samples, computed, num_tokens)
+        if len(out.num_draft_tokens):
+            return self._update_verified(out, sampled_token_ids, num_new_tokens, scored)
         num_tokens += samples
-        scored = []
-        if np.count_nonzero(samples) < len(running):
-            seqs = list(compress(running, samples))
-            done = (computed == num_tokens).nonzero()[0]  # a sampling row lacks its new token's KV
-            scored = [running[row] for row in done.tolist()] if len(done) else []
-        else:
-            seqs = list(running)
+        seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
-        if self.block_manager.enable_prefix_caching:
-            filled = block_offset(computed, self.block_size) < counts  # the rows that filled a block
-            for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
-                self.block_manager.cache_full_blocks(running[row], int(computed[row]))
-        self.prompt_tokens_computed += out.num_prefill_tokens
+        self._register_filled(out, counts)
         self._new_token_ids = sampled_token_ids
         if len(seqs) < len(running):
             num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
         return SampledSeqs(seqs, num_tokens, max_num_tokens, scored)
+
+    def _scored(self, samples: np.ndarray, computed: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
+        """The rows that have computed every token and sample none: max_tokens 0, its prompt scored."""
+        if np.count_nonzero(samples) == len(samples):
+            return []
+        return [self.running[row] for row in np.flatnonzero(~samples & (computed == num_tokens)).tolist()]
+
+    def _update_verified(self, out: SchedulerOutput, sampled_token_ids: np.ndarray,
+                         num_new_tokens: np.ndarray, scored: list[Sequence]) -> SampledSeqs:
+        """update() for a step that verified proposals: the rejected ones' KV is not computed (their slots are
+        written again by the next step, and their blocks enter the prefix cache only once full of accepted
+        tokens' KV)."""
+        running, samples = self.running, out.samples
+        columns = self.columns[:, :len(running)]
+        computed, num_tokens, max_num_tokens = columns[0], columns[1], columns[4]
+        rows = np.flatnonzero(samples)
+        drafts = out.num_draft_tokens[rows]
+        rejected = drafts - (num_new_tokens - 1)
+        computed[rows] -= rejected
+        tokens_before = num_tokens[rows]
+        num_tokens[rows] += num_new_tokens
+        seqs = [running[row] for row in rows.tolist()]
+        ends = np.cumsum(num_new_tokens).tolist()
+        token_ids = sampled_token_ids.tolist()
+        for seq, start, end in zip(seqs, [0, *ends[:-1]], ends):
+            seq.token_ids += token_ids[start:end]
+        progress = out.num_scheduled_tokens.copy()
+        progress[rows] -= rejected
+        self._register_filled(out, progress)
+        self._new_token_ids, self._new_token_counts = sampled_token_ids, num_new_tokens
+        proposed = drafts > 0
+        self.spec_stats.record(drafts[proposed], (num_new_tokens - 1)[proposed])
+        # one entry per new token: its sequence, the sequence's length with it, the length limit
+        first = np.repeat(np.cumsum(num_new_tokens) - num_new_tokens, num_new_tokens)
+        lengths = np.repeat(tokens_before, num_new_tokens) + np.arange(len(token_ids)) - first + 1
+        return SampledSeqs([seq for seq, n in zip(seqs, num_new_tokens.tolist()) for _ in range(n)], lengths,
+                           np.repeat(max_num_tokens[rows], num_new_tokens), scored)
+
+    def _register_filled(self, out: SchedulerOutput, progress: np.ndarray) -> None:
+        """Register the blocks the step filled with computed KV (progress: each row's new computed tokens)."""
+        running, computed = self.running, self.columns[0, :len(self.running)]
+        if self.block_manager.enable_prefix_caching:
+            filled = block_offset(computed, self.block_size) < progress  # the rows that filled a block
+            for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
+                self.block_manager.cache_full_blocks(running[row], int(computed[row]))
+        self.prompt_tokens_computed += out.num_prefill_tokens
 
     def preempt_all(self) -> None:
         """Preempt every running sequence by recompute, newest first, so the waiting queue keeps their order, and
@@ -266,7 +367,7 @@ class Scheduler:
         out = SchedulerOutput()
         while self.running:
             self._preempt(self.running[-1], out)
-        self._new_token_ids, self._finished_ids = _NO_TOKENS, []
+        self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
         if self.lora_slots is not None:  # the step may have failed half-way through loading an adapter
             self.lora_slots.forget()
 

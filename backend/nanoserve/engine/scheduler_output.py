@@ -30,6 +30,8 @@ class NewSequence:
 class SchedulerOutput:
     # ---- diffs, applied in this order ----
     new_token_ids: np.ndarray = _empty()  # the last step's sampled tokens, one per row that sampled then
+    # with speculative decoding: per row that sampled then, how many of new_token_ids are its (empty: one each)
+    new_token_counts: np.ndarray = _empty()
     finished_ids: list[str] = field(default_factory=list)  # finished or aborted since the last step
     preempted_ids: list[str] = field(default_factory=list)  # preempted by this step (back to waiting)
     new_seqs: list[NewSequence] = field(default_factory=list)  # appended as rows, in order
@@ -40,6 +42,10 @@ class SchedulerOutput:
     samples: np.ndarray = _empty(bool)  # [rows]: the step reaches the row's last token, so it samples
     num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
     num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
+    # speculative decoding: [rows] proposed tokens each row verifies, the last of its scheduled tokens (empty:
+    # none this step), and the proposed tokens themselves, in row order
+    num_draft_tokens: np.ndarray = _empty()
+    draft_token_ids: np.ndarray = _empty()
     # ---- before the forward ----
     lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)  # (device slot, adapter to load there)
 

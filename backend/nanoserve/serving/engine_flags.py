@@ -32,6 +32,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _metavar(kind: str) -> str:
+    if "dict" in kind:
+        return "JSON"
     return "INT" if "int" in kind else "FLOAT" if "float" in kind else "STR"
 
 

@@ -87,6 +87,17 @@ def vllm_families(max_model_len: int) -> list[tuple]:
     ]
 
 
+# speculative decoding: (quantity, engine.stats() key, name, description); the names get _total, and per position
+# (label "position") for the accepted tokens per position
+SPEC_DECODE_COUNTERS = [
+    ("spec_drafts", "spec_decode_num_drafts", "spec_decode_num_drafts", "Drafts verified (a request's proposals "
+                                                                         "in one step)"),
+    ("spec_draft_tokens", "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Proposed tokens verified"),
+    ("spec_accepted", "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Proposed tokens accepted"),
+]
+SPEC_PER_POSITION = ("spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by position in the draft")
+
+
 def buckets_1_2_5(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's buckets for token counts)."""
     buckets, scale = [], 1
@@ -99,7 +110,8 @@ def buckets_1_2_5(limit: int) -> list[int]:
 
 
 class Metrics:
-    def __init__(self, pb_utils, model: str, version: str, vllm_names: bool = False, max_model_len: int = 8192):
+    def __init__(self, pb_utils, model: str, version: str, vllm_names: bool = False, max_model_len: int = 8192,
+                 num_speculative_tokens: int = 0):
         self._families = []  # a family (and its metrics) disappears from /metrics when garbage-collected
         self._family_cls = pb_utils.MetricFamily
         self._targets: dict[str, list] = {}  # quantity -> the metrics that show it
@@ -109,6 +121,10 @@ class Metrics:
         self.finished = {r: finished.Metric(labels={**labels, "reason": r}) for r in FINISH_REASONS}
         if vllm_names:
             self._add(vllm_families(max_model_len), {"model_name": model, **labels})
+        if num_speculative_tokens:
+            self._add_spec_decode("nanoserve_", labels, num_speculative_tokens)
+            if vllm_names:
+                self._add_spec_decode("vllm:", {"model_name": model, **labels}, num_speculative_tokens)
         self._increments: dict = {}  # counter -> increment not published yet
         self._gauges: dict = {}  # gauge -> latest value not published yet
         self._samples: list = []  # (histogram, value) not published yet
@@ -129,6 +145,15 @@ class Metrics:
             metric = family.Metric(labels=labels, buckets=buckets[0]) if buckets else family.Metric(labels=labels)
             self._targets.setdefault(quantity, []).append(metric)
 
+    def _add_spec_decode(self, prefix: str, labels: dict, num_positions: int) -> None:
+        self._add([(quantity, "counter", f"{prefix}{name}_total", description)
+                   for quantity, _, name, description in SPEC_DECODE_COUNTERS], labels)
+        name, description = SPEC_PER_POSITION
+        family = self._family("counter", f"{prefix}{name}_total", description)
+        for position in range(num_positions):
+            metric = family.Metric(labels={**labels, "position": str(position)})
+            self._targets.setdefault(f"spec_accepted_{position}", []).append(metric)
+
     # ---- updates (one thread) -----------------------------------------------------------------------
     def record_engine(self, stats: dict) -> None:
         """Gauges and the engine's own counters from engine.stats()."""
@@ -141,6 +166,10 @@ class Metrics:
             for gauge in self._targets.get(quantity, ()):
                 self._gauges[gauge] = value
         totals = {"preemptions": stats["num_preemptions"], "prefix_hits": hits, "prefix_queries": hits + computed}
+        if "spec_decode_num_drafts" in stats:
+            totals.update({quantity: stats[key] for quantity, key, _, _ in SPEC_DECODE_COUNTERS})
+            per_position = stats["spec_decode_num_accepted_tokens_per_pos"]
+            totals.update({f"spec_accepted_{position}": n for position, n in enumerate(per_position)})
         for quantity, value in totals.items():
             self._count(quantity, value - self._engine_totals.get(quantity, 0))
             self._engine_totals[quantity] = max(value, self._engine_totals.get(quantity, 0))
