@@ -355,3 +355,41 @@ def test_triton_attention_backend_verifies_runs(qwen3_dir, make_llm):
     llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={4})
     assert generate(llm, prompts, params) == base
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_scored_prompt_finishes_beside_verified_proposals(qwen3_dir, make_llm):
+    """max_tokens 0 (lm-eval's echo scoring): a prompt whose last chunk is computed in a step that verifies
+    another row's proposals still finishes, with its prompt logprobs, and the other rows stay exact."""
+    prompts = repetitive_prompts(seed=3)[:2]
+    base = generate(make_llm(qwen3_dir, kvcache_block_size=BLOCK), prompts, GREEDY)
+    llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, speculative_config=NGRAM, max_num_batched_tokens=32)
+    llm.engine.scheduler.proposer = ReplayProposer(prompts, base)
+    engine, update, scored_in_draft_steps = llm.engine, llm.engine.scheduler.update, []
+
+    def recording_update(out, *args):
+        result = update(out, *args)
+        if len(out.num_draft_tokens) and out.num_draft_tokens.any():
+            scored_in_draft_steps.extend(seq.request_id for seq in result.scored)
+        return result
+    engine.scheduler.update = recording_update
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"spec-{i}", prompt, GREEDY, stream=False)
+    outputs = []
+    while not (engine.scheduler.running and engine.scheduler.running[0].num_output_tokens):
+        outputs += engine.step()  # until the first row decodes: its proposals are verified from then on
+    scored_prompt = [random.Random(9).randrange(3, 1000) for _ in range(40)]  # two chunks
+    engine.add_request("scored", scored_prompt, SamplingParams(max_tokens=0, prompt_logprobs=0), stream=False)
+    drafted_before = llm.stats()["spec_decode_num_drafts"]
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert llm.stats()["spec_decode_num_drafts"] > drafted_before
+    assert scored_in_draft_steps == ["scored"]  # its last chunk ran in a step that verified proposals
+    final = {out.request_id: out for out in outputs if out.finished}
+    assert [final[f"spec-{i}"].new_token_ids for i in range(2)] == base
+    scored = final["scored"]
+    assert scored.new_token_ids == [] and scored.finish_reason == "length"
+    reference = hf_logprobs(qwen3_dir, scored_prompt[:1], scored_prompt[1:])
+    mine = scored.prompt_logprobs.logprobs
+    assert len(mine) == len(scored_prompt) - 1
+    for token, position, expected in zip(scored_prompt[1:], mine, reference):
+        assert abs(position[token] - float(expected[token])) < 1e-4
