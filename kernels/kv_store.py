@@ -27,9 +27,10 @@ def _store_kvcache_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k, v = k.to(tl.float32), v.to(tl.float32)  # (one type on both sides of the `if`, as the compiler wants)
     if FP8:
-        k = tl.clamp(k.to(tl.float32) * inv_k_scale, -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) * inv_v_scale, -FP8_MAX, FP8_MAX)
+        k = tl.clamp(k * inv_k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v * inv_v_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

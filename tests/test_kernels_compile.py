@@ -52,20 +52,29 @@ def _kernels():
 
     bf16, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     attn = dict(q_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, out_ptr=bf16, block_tables_ptr=i32,
-                seq_lens_ptr=i32, qsl_ptr=i32, scale_log2="fp32", part_m_ptr=f32, part_l_ptr=f32, part_acc_ptr=f32)
+                seq_lens_ptr=i32, qsl_ptr=i32, scale_log2="fp32", v_scale="fp32", part_m_ptr=f32, part_l_ptr=f32,
+                part_acc_ptr=f32)
+    fp8_attn = attn | dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")  # kv_cache_dtype="fp8"
     for group, splits, use_qsl, page in [(2, 1, True, 16), (8, 4, False, 256)]:
         yield (f"decode group={group} splits={splits} page={page}", decode_attention._decode_kernel, attn,
                dict(GROUP=group, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=page,
                     TILE=decode_attention.TILE_N, NUM_SPLITS=splits, USE_QSL=use_qsl, PRECISION="tf32"), 4, 2)
     yield ("decode reduce", decode_attention._reduce_kernel, attn,
            dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4, USE_QSL=True), 4, 2)
-    for head_dim, page in [(128, 16), (64, 256)]:
-        yield (f"prefill head_dim={head_dim} page={page}", prefill_attention._prefill_kernel, attn,
+    yield ("decode fp8 cache", decode_attention._decode_kernel, fp8_attn,
+           dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE=decode_attention.TILE_N,
+                NUM_SPLITS=1, USE_QSL=True, PRECISION="tf32"), 4, 2)
+    for head_dim, page, types in [(128, 16, attn), (64, 256, attn), (128, 16, fp8_attn)]:
+        yield (f"prefill head_dim={head_dim} page={page}{' fp8 cache' if types is fp8_attn else ''}",
+               prefill_attention._prefill_kernel, types,
                dict(GROUP=2, HEAD_DIM=head_dim, DIM_PAD=head_dim, BLOCK_SIZE=page, BLOCK_M=prefill_attention.BLOCK_M,
                     BLOCK_N=prefill_attention.BLOCK_N, PRECISION="tf32"), 4, 2)
-    yield ("store_kvcache", kv_store._store_kvcache_kernel,
-           dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, slot_ptr=i64),
-           dict(BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128), 4, 3)
+    for cache in (bf16, "*fp8e4nv"):
+        yield (f"store_kvcache {cache[1:]} cache", kv_store._store_kvcache_kernel,
+               dict(k_ptr=bf16, v_ptr=bf16, k_cache_ptr=cache, v_cache_ptr=cache, slot_ptr=i64, inv_k_scale="fp32",
+                    inv_v_scale="fp32"),
+               dict(BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, FP8=cache != bf16,
+                    FP8_MAX=448.0), 4, 3)
     norm = dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, sum_ptr=bf16, eps="fp32")
     yield ("fused_add_rms_norm", rmsnorm._rms_norm_kernel, norm,
            dict(N=1024, BLOCK=1024, ROWS=2, ADD_RESIDUAL=True), 8, 3)
