@@ -186,8 +186,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "length")
         self.num_generation_tokens += len(sampled_seqs.seqs)
         if sampled.num_tokens is not None:  # tokens of accepted runs after a stop are not output
-            self.num_generation_tokens -= self.output_processor.num_dropped_tokens
-            self.output_processor.num_dropped_tokens = 0
+            self.num_generation_tokens -= self.output_processor.take_dropped_tokens()
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
         if self.pending_outputs:

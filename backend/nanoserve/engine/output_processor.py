@@ -139,6 +139,11 @@ class OutputProcessor:
                                          seq.num_cached_tokens, index=state.index))
         return outputs
 
+    def take_dropped_tokens(self) -> int:
+        """The tokens of accepted runs that came after a stop since the last call (they are not output)."""
+        dropped, self.num_dropped_tokens = self.num_dropped_tokens, 0
+        return dropped
+
     def scored(self, seq: Sequence) -> RequestOutput:
         """The one output of a sequence with max_tokens 0, once its prompt is computed: no tokens, reason "length",
         its prompt logprobs when it asked for them."""
