@@ -30,6 +30,7 @@ using Fp8 = c10::Float8_e4m3fn;  // an fp8 KV cache's elements (kv_cache_dtype="
 constexpr float kFp8Unit = 256.f;
 inline uint16_t fp8_as_half_bits(uint8_t x) { return static_cast<uint16_t>(((x & 0x80) << 8) | ((x & 0x7F) << 7)); }
 
+// x as float32 (an fp8 x times 2^-8, as load_float reads it)
 template <typename T>
 inline float f32(T x) {
   if constexpr (std::is_same_v<T, Fp8>)

@@ -50,7 +50,7 @@ class EngineConfig:
                                                "(default: triton on cuda, torch on cpu)")
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (one byte "
                                        "per value with per-layer scales: twice the blocks of a 16-bit cache)")
-    quantization: str | None = _arg("auto", "weights: int8 (per output channel) or int4 (groups of 32), "
+    quantization: str = _arg("auto", "weights: int8 (per output channel) or int4 (groups of 32), "
                                             "weight-only, quantized at load, on the CPU; none: float weights; "
                                             "auto: a GGUF file's own quantization (Q8_0 as int8, Q4_0/Q4_1/Q4_K "
                                             "as int4) on the CPU, float otherwise")
@@ -110,7 +110,7 @@ class EngineConfig:
         self._load_hf_config()
 
     def _check_quantization(self):
-        if self.quantization is None:  # how "none" arrives from model.json and flags (coerce_engine_arg)
+        if self.quantization is None:  # LLM(quantization=None): Python's spelling of "none"
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
