@@ -15,8 +15,9 @@ or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode
 `send_budget` and `send_every_step` choose how streams are sent, `REPORT_CUSTOM_METRICS` adds the vllm:* metrics
 (docs/serving.md).
 
-execute() only parses, validates and enqueues. The engine thread owns the LLMEngine and steps the continuous
-batch; the response thread sends every response, sweeps for cancelled requests and updates the metrics.
+execute() only parses, validates, tokenizes and enqueues. The engine core process (serving/engine_core.py) owns the
+LLMEngine and steps the continuous batch; the response thread sends every response, sweeps for cancelled requests
+and updates the metrics.
 """
 import faulthandler
 import gc
@@ -31,7 +32,7 @@ from nanoserve.coercion import optional_bool
 from nanoserve.serving import request as contract
 from nanoserve.serving.control import Drain, control_event
 from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
-from nanoserve.serving.engine_thread import EngineThread
+from nanoserve.serving.engine_core import EngineCoreClient
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
                                           reports_vllm_metrics)
@@ -115,30 +116,34 @@ class TritonPythonModel:
         vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
         adapters = lora_modules(args["model_repository"], args["model_version"])  # multi_lora.json
 
-        from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
-        from nanoserve.engine.llm_engine import LLMEngine
+        from transformers import AutoTokenizer  # heavy (torch): after the cheap checks
+
+        from nanoserve.config import EngineConfig
 
         config = EngineConfig.from_kwargs(**engine_args)
-        self.engine = LLMEngine(config)
-        _add_loras(self.engine, adapters)
-        # The stub's heap is now torch, transformers and the model: hundreds of thousands of objects that live as
-        # long as it does. Frozen, a full collection (set off by the response thread's allocations) skips them
-        # instead of walking them all under the GIL while the engine thread waits.
+        self.max_model_len = config.max_model_len
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
+        try:
+            self.engine_core = EngineCoreClient(config, tokenizer, self.events, adapters)
+        except RuntimeError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        # The stub's heap is now torch and transformers: objects that live as long as it does. Frozen, a full
+        # collection (set off by the response thread's allocations) skips them instead of walking them all.
         gc.collect()
         gc.freeze()
-        self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
                                max_model_len=config.max_model_len,
                                num_speculative_tokens=_num_speculative_tokens(config))
-        self.metrics.record_engine(self.engine.stats())  # the pool's size from the start (no thread sends yet)
+        self.metrics.record_engine(self.engine_core.initial_stats)  # the pool's size from the start
         self.metrics.publish()
-        self.engine_thread = EngineThread(self.engine, self.events).start()
         # one response per step (send_every_step), or as soon as possible (send_budget 1): a step whose text is
         # held back (an incomplete character, a possible stop string) sends "", as vllm_backend does
-        formatter = make_formatter(self.engine.tokenizer, send_empty=every_step or send_budget == 1)
+        formatter = make_formatter(tokenizer, send_empty=every_step or send_budget == 1)
         server_args = ServerArgs.of_parent()
+        self.may_unload = server_args is not None and server_args.explicit_model_control
         self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
-        self.responses = ResponseThread(pb_utils, self.events, self.engine_thread, self.metrics, formatter,
+        self.responses = ResponseThread(pb_utils, self.events, self.engine_core, self.metrics, formatter,
                                         prompt_field, send_budget=send_budget, every_step=every_step,
                                         on_engine_failure=self._unload_failed_model,
                                         shutdown_watch=self.shutdown_watch, ended_arrays=ended_arrays).start()
@@ -152,9 +157,9 @@ class TritonPythonModel:
 
     def _enqueue(self, request) -> None:
         sender = request.get_response_sender()
-        failure = self.engine_thread.failure
+        failure = self.engine_core.failure
         if failure is not None:
-            self.events.put(Reject(sender, f"the model is unavailable: {failure}", code="UNAVAILABLE"))
+            self.events.put(Reject(sender, contract.UNAVAILABLE + failure, code="UNAVAILABLE"))
             return
         try:
             control = control_event(request.parameters(), sender, self.responses.clock())
@@ -169,7 +174,7 @@ class TritonPythonModel:
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                             tokens=self.mode == "tokens",
-                                            max_model_len=self.engine.config.max_model_len)
+                                            max_model_len=self.max_model_len)
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
             return
@@ -181,12 +186,17 @@ class TritonPythonModel:
         request_id = f"{self.name}-{next(self._request_ids)}"
         stream = Stream(sender, parsed, triton_request_id=request.request_id())
         self.events.put(Register(request_id, stream))  # before the engine can answer
-        self.engine_thread.add(request_id, parsed.prompt, parsed.sampling_params)
+        self.engine_core.add(request_id, parsed.prompt, parsed.sampling_params)
 
     def _unload_failed_model(self, failure: str) -> None:
         """The health check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK, always on): a failed engine unloads its
         model, which Triton then reports not ready. Triton 2.51 lets a model unload itself only when it runs with
         --model-control-mode=explicit; otherwise the model stays "ready" and every request gets UNAVAILABLE."""
+        if not self.may_unload:  # tritonserver 2.51's python_backend crashes the stub that tries
+            logger.error("nanoserve: the engine of model %r has failed (%s); it answers every request with "
+                         "UNAVAILABLE (a model unloads itself only under --model-control-mode=explicit)",
+                         self.name, failure)
+            return
         logger.error("nanoserve: the engine of model %r has failed (%s); unloading the model", self.name, failure)
         try:
             pb_utils.unload_model(self.name)
@@ -197,26 +207,15 @@ class TritonPythonModel:
     def finalize(self):
         if self.shutdown_watch is not None:
             self.shutdown_watch.stop()
-        self.engine_thread.stop()
+        self.engine_core.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it
-        self.engine.shutdown()
 
 
 def _num_speculative_tokens(config) -> int:
     """Draft positions the spec_decode metrics count (0: speculation off, no such metrics)."""
     spec = config.speculative_config
     return 0 if spec is None else spec.num_speculative_tokens
-
-
-def _add_loras(engine, adapters: dict[str, str]) -> None:
-    """Serve multi_lora.json's adapters; one the engine cannot run fails the model's load, naming it."""
-    try:
-        for name, path in adapters.items():
-            engine.add_lora(name, path)
-    except ValueError:
-        engine.shutdown()
-        raise
 
 
 def _as_numpy(inputs: dict, name: str):

@@ -143,6 +143,14 @@ def http_post(server, path: str, body: dict) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: a process's (or its main thread's) name; "" for one that has gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def open_sse(server, model: str, body: dict):
     """A /generate_stream request on a raw connection, once its first event came: returns the function that
     closes the connection (a client going away mid-stream)."""

@@ -21,6 +21,7 @@ MODEL = "nanoserve"
 ENGINE_ARGS = {"device": "cpu", "kvcache_block_size": 16, "num_kvcache_blocks": 256}
 PROMPTS = ["Héllo wörld, naïve café — 你好 ", "The licence grants you", "  spaces   and\ttabs"]
 N = 24
+LONG = 131072  # max_model_len of long_server
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,18 @@ def server(qwen3_dir, tmp_path_factory):
     reader.join(60)
     client.close()
     assert drained["out"].error is None and drained["out"].responses[-1]["finish_reason"].tolist() == [b"length"]
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """The same weights with room for 131,072 tokens: a request without max_tokens still runs when a test cancels
+    it, however fast the engine is."""
+    from nanoserve.tiny_model import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("long")
+    checkpoint = build_tiny_model(str(tmp / "tiny-long"), max_position_embeddings=LONG)
+    with triton(tmp, checkpoint, [MODEL], **{**ENGINE_ARGS, "num_kvcache_blocks": LONG // 16}) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +240,9 @@ def test_bad_inputs_over_http_are_invalid_arg(server, body, field):
     assert is_ready(server)
 
 
-def test_cancel_frees_every_kv_block(server, offline):
+def test_cancel_frees_every_kv_block(long_server, offline):
     # No max_tokens: the default runs to max_model_len, not vLLM's 16. Cancel after 20 tokens.
+    server = long_server
     client, events = open_stream(server, MODEL, text_input=PROMPTS[0], stream=True,
                                  sampling_parameters={"ignore_eos": True})
     for _ in range(20):
@@ -272,9 +286,10 @@ def vanishing_http_client(server):
 
 
 @pytest.mark.parametrize("vanishing_client", [vanishing_grpc_client, vanishing_http_client])
-def test_a_client_that_goes_away_is_cancelled(server, vanishing_client):
+def test_a_client_that_goes_away_is_cancelled(long_server, vanishing_client):
     """No cancel request, only a connection gone: the request is aborted and its blocks freed, not generated to
     max_model_len for nobody."""
+    server = long_server
     before = metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 0)
     go_away = vanishing_client(server)
     metrics_when(server, MODEL, lambda values: values["nanoserve_requests_running"] == 1)

@@ -447,7 +447,7 @@ def test_a_failed_engine_ends_every_request_with_unavailable_and_is_reported_onc
     for i, sender in enumerate(senders[:2]):
         thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"))))])
     assert thread.streams.keys() == {"0", "1"} and reported == []
-    thread.engine_thread.failure = "the engine thread died (RuntimeError: boom)"
+    thread.engine_core.failure = "the engine thread died (RuntimeError: boom)"
     thread.handle_events([])
     thread.handle_events([Register("2", Stream(senders[2], parse(text_input=text("Hi"))))])  # raced the failure
     assert thread.streams == {} and reported == ["the engine thread died (RuntimeError: boom)"]
@@ -469,7 +469,7 @@ def test_cancellation_checks_take_turns_across_many_streams():
     clock = FakeClock()
     aborted = []
     thread = response_thread(clock, send_budget=0.1)
-    thread.engine_thread = SimpleNamespace(abort=aborted.append, failure=None)
+    thread.engine_core = SimpleNamespace(abort=aborted.append, failure=None)
     senders = [FakeSender(clock, 0.0) for _ in range(2 * CANCEL_CHECKS_PER_ROUND + 3)]  # 3 rounds for everyone
     for i, sender in enumerate(senders):
         thread.handle_events([Register(str(i), Stream(sender, parse(text_input=text("Hi"), stream=np.array([True]))))])
@@ -649,7 +649,7 @@ def test_a_token_stream_that_responded_ends_early_with_abort_not_an_error():
         request = parse(tokens=True, input_ids=np.array([5, 6, 7], np.int32), stream=np.array([True]))
         thread.handle_events([Register(str(i), Stream(sender, request))])
     thread.handle_events([StepResult(outputs=outputs_of("0", [(9, ""), (10, "")])[:1], time=100.0)])
-    thread.engine_thread.failure = "the engine thread died (RuntimeError: boom)"
+    thread.engine_core.failure = "the engine thread died (RuntimeError: boom)"
     thread.handle_events([])
     (first, _), (last, flags) = senders[0].sent
     assert first["error"] is None and first["output_ids"].tolist() == [9]
@@ -716,7 +716,7 @@ def test_at_the_drain_deadline_streams_end_token_ones_with_abort():
     thread.pb, thread.ended_arrays = ErrorPb, ended_token_arrays
     thread.formatter = lambda stream, outputs: token_arrays(stream, outputs)
     aborted = []
-    thread.engine_thread = SimpleNamespace(abort=aborted.append, failure=None)
+    thread.engine_core = SimpleNamespace(abort=aborted.append, failure=None)
     senders, drain = [RecordingSender() for _ in range(2)], RecordingSender()
     for i, sender in enumerate(senders):
         request = parse(tokens=True, input_ids=np.array([5, 6, 7], np.int32), stream=np.array([True]))

@@ -20,6 +20,8 @@ from nanoserve.serving.shutdown import MARGIN, ServerArgs, ShutdownWatch
     (["tritonserver", "--http-port=9000", "--exit-timeout-secs", "5"], ServerArgs("127.0.0.1", 9000, 5.0)),
     (["tritonserver", "--http-address", "10.0.0.2", "--http-port", "81"], ServerArgs("10.0.0.2", 81, 30.0)),
     (["tritonserver", "--http-address=0.0.0.0"], ServerArgs("127.0.0.1", 8000, 30.0)),
+    (["tritonserver", "--model-control-mode", "explicit"], ServerArgs("127.0.0.1", 8000, 30.0, True)),
+    (["tritonserver", "--model-control-mode=poll"], ServerArgs("127.0.0.1", 8000, 30.0, False)),
     (["tritonserver", "--allow-http=false"], None),
     (["tritonserver", "--http-port=eighty"], None),
 ])
@@ -57,7 +59,7 @@ def test_streams_end_with_unavailable_at_the_deadline():
     clock = FakeClock()
     thread = response_thread(clock, send_budget=1.0)
     aborted = []
-    thread.pb, thread.engine_thread = ErrorPb, SimpleNamespace(abort=aborted.append, failure=None)
+    thread.pb, thread.engine_core = ErrorPb, SimpleNamespace(abort=aborted.append, failure=None)
     thread.shutdown_watch = SimpleNamespace(deadline=None)
     senders = [RecordingSender(), RecordingSender()]
     for i, sender in enumerate(senders):

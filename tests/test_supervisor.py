@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from serving_utils import BACKEND_MODEL, TIMEOUT, collect, open_stream, stream
+from serving_utils import BACKEND_MODEL, TIMEOUT, collect, open_stream, process_name, stream
 from triton_server import (LOAD_TIMEOUT, child_pid, free_ports, group_members, http_ready, kill_group,
                            running_server, shm_regions, tiny_repository)
 
@@ -83,11 +83,14 @@ def wait_until(condition, timeout: float, cli) -> None:
 
 
 @pytest.mark.triton_server
-@pytest.mark.parametrize("fault, reported", [
-    (signal.SIGKILL, "the stub of nanoserve_0_0 (pid {stub}) killed by signal 9; restarting tritonserver"),
+@pytest.mark.parametrize("fault, target, reported", [
+    (signal.SIGKILL, "stub", "the stub of nanoserve_0_0 (pid {stub}) killed by signal 9; restarting tritonserver"),
     # a stub that hangs whole: python_backend answers for it that it is not healthy, and nothing restarts it
-    (signal.SIGSTOP, "the stub of model nanoserve is not healthy; restarting tritonserver")])
-def test_a_killed_or_hung_stub_fails_its_streams_and_the_model_serves_again(qwen3_dir, tmp_path, fault, reported):
+    (signal.SIGSTOP, "stub", "the stub of model nanoserve is not healthy; restarting tritonserver"),
+    # the stub ends its requests with UNAVAILABLE and answers so from then on
+    (signal.SIGKILL, "core", "model nanoserve is unavailable: its engine has failed; restarting tritonserver")])
+def test_a_killed_or_hung_stub_or_core_fails_its_streams_and_the_model_serves_again(qwen3_dir, tmp_path, fault,
+                                                                                   target, reported):
     """The model's name comes from the repository (--model-repository): the supervisor asks the models whose
     backend is nanoserve in text mode."""
     repository = tiny_repository(tmp_path / "model_repository", qwen3_dir)
@@ -109,10 +112,14 @@ def test_a_killed_or_hung_stub_fails_its_streams_and_the_model_serves_again(qwen
         assert all(events.get(timeout=TIMEOUT)[1] is None for _, events in streams)
         stub = next(pid for pid, _, ppid, _ in processes()
                     if ppid == tritons[0] and supervisor.stub_instance(pid) == "nanoserve_0_0")
-        os.kill(stub, fault)
+        victim = stub if target == "stub" else next(pid for pid, _, ppid, _ in processes()
+                                                    if ppid == stub and process_name(pid) == "ns-core")
+        os.kill(victim, fault)
         killed = time.monotonic()
         for client, events in streams:
-            assert collect(events).error is not None  # not a hang: the old server went away
+            error = collect(events).error
+            assert error is not None  # not a hang: the old server went away, or the stub ended the stream
+            assert target == "stub" or "the engine core process exited (exit code -9)" in str(error)
             client.close()
         failed = time.monotonic() - killed
         tritons.append(new_tritonserver(cli, tritons))

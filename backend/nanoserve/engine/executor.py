@@ -56,7 +56,7 @@ class Executor:
         """Spawn ranks 1.., and wait until each has started (imports done), so that a worker that dies early is
         reported instead of leaving rank 0 blocked forever in the process-group rendezvous."""
         ctx = mp.get_context("spawn")
-        _use_a_python_executable(ctx)
+        use_a_python_executable(ctx)
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, args=(config, eos_token_ids, rank, port, child),
@@ -119,7 +119,7 @@ def worker_main(config: EngineConfig, eos_token_ids, rank: int, port: int, conn)
         conn.close()
 
 
-def _use_a_python_executable(ctx) -> None:
+def use_a_python_executable(ctx) -> None:
     """Spawned children start sys.executable; inside an embedding host (Triton's Python stub) that may not
     be a Python interpreter, so point multiprocessing at the environment's python instead."""
     if os.path.basename(sys.executable or "").startswith("python"):

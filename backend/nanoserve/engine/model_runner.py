@@ -38,7 +38,7 @@ class PromptLogprobs:
     """Logprobs of consecutive prompt tokens, each given the tokens before it: per token its id, {token_id: logprob}
     of the most likely tokens and itself, and its rank in the vocabulary."""
     token_ids: list[int]
-    logprobs: list[dict[int, float]]
+    logprobs: list[dict[int, float] | None]  # None where not computed yet
     ranks: list[int]
 
 

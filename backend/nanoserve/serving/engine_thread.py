@@ -8,7 +8,7 @@ the engine has failed (`failure`): every request in flight ends with UNAVAILABLE
 (see backend/model.py)."""
 from __future__ import annotations
 
-import copy
+import contextlib
 import logging
 import queue
 import threading
@@ -16,7 +16,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.engine.output_processor import RequestOutput
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -24,18 +24,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    outputs: list = field(default_factory=list)  # RequestOutput of this step
+    """What the engine thread reports after each step (the engine core process sends it as a message)."""
+    outputs: list[RequestOutput] = field(default_factory=list)  # this step's
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): bad input
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): internal errors
     stats: dict = field(default_factory=dict)  # engine.stats() after the step
     time: float = 0.0  # time.monotonic() when the step's tokens were ready
+    failure: str | None = None  # the last result of an engine that has failed: why
 
 
 class EngineThread:
     def __init__(self, engine, results: queue.Queue, name: str = "ns-engine"):
         self.engine = engine
-        # The engine's tokenizer belongs to the engine thread: HF tokenizers are not safe to share across threads.
-        self._tokenizer = copy.deepcopy(engine.tokenizer)
         self.results = results  # StepResults go here, in order
         self._commands: list[tuple] = []
         self._cond = threading.Condition()
@@ -53,14 +53,11 @@ class EngineThread:
         self._thread.start()
         return self
 
-    def add(self, request_id: str, prompt, sampling_params) -> None:
-        """Called from execute(): text is tokenized and structured outputs are compiled here, on the caller's
-        thread, so that a long prompt or a slow grammar stalls only its own request and never the streams the
-        engine thread is serving. One that cannot fit, or whose grammar does not compile, is rejected (its
-        StepResult.rejected entry comes like any other)."""
+    def add(self, request_id: str, prompt: list[int], sampling_params) -> None:
+        """Structured outputs are compiled here, on the caller's thread, so that a slow grammar stalls only its own
+        request and never the streams the engine thread is serving. One whose grammar does not compile is
+        rejected (its StepResult.rejected entry comes like any other)."""
         try:
-            if isinstance(prompt, str):
-                prompt = encode_prompt_text(self._tokenizer, prompt, self.engine.max_prompt_bytes)
             grammar = self.engine.compile_grammar(sampling_params)
         except ValueError as e:
             self._push(("reject", request_id, str(e)))
@@ -88,6 +85,9 @@ class EngineThread:
         except BaseException as e:  # whatever ends the thread ends the engine
             logger.error("nanoserve engine thread died:\n%s", traceback.format_exc())
             self._failure = f"the engine thread died ({type(e).__name__}: {e})"
+        if self._failure is not None:
+            with contextlib.suppress(Exception):  # (the results queue may be what failed)
+                self.results.put(StepResult(time=time.monotonic(), failure=self._failure))
 
     def _loop(self) -> None:
         while self._failure is None:

@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.request import engine_mode
+from nanoserve.serving.request import UNAVAILABLE, engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
 PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": -1}).encode()
@@ -61,7 +61,11 @@ def unanswered(url_http: str, model: str, timeout: float) -> str | None:
     except urllib.error.HTTPError as e:
         with e:  # an error answer is an answer, but not python_backend's for a stub it gave up on
             body = e.read()
-        return f"the stub of model {model} is not healthy" if b"is not healthy" in body else None
+        if b"is not healthy" in body:
+            return f"the stub of model {model} is not healthy"
+        if UNAVAILABLE.encode() in body:  # its engine has failed (its core process died, say): a restart serves again
+            return f"model {model} is unavailable: its engine has failed"
+        return None
     except TimeoutError:
         timed_out = True
     except urllib.error.URLError as e:

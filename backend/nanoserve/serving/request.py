@@ -30,6 +30,7 @@ SCALAR_INPUTS = {
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
 # Size bounds, checked before anything is decoded or parsed. The text prompt's bound depends on the tokenizer
 # and max_model_len: the engine thread checks it before tokenizing (engine/tokenize.py).
+UNAVAILABLE = "the model is unavailable: "  # + why: how a model whose engine has failed answers every request
 MAX_JSON_BYTES = 1 << 20  # sampling_parameters, and the request parameters
 MAX_STOP_WORD_BYTES = 4 * MAX_STOP_STRING_CHARS  # a stop_words element (UTF-8: at most 4 bytes per character)
 

@@ -19,7 +19,7 @@ from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.control import CancelById, Drain
 from nanoserve.serving.engine_thread import StepResult
 from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
-from nanoserve.serving.request import ParsedRequest, name_prompt_input, prompt_input
+from nanoserve.serving.request import UNAVAILABLE, ParsedRequest, name_prompt_input, prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class ResponseThread:
     step and request (the formatter then sends held-back text as an empty delta); no merging, no pacing.
     """
 
-    def __init__(self, pb_utils, events: queue.Queue, engine_thread, metrics, formatter, prompt_field: str,
+    def __init__(self, pb_utils, events: queue.Queue, engine_core, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
                  every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
                  ended_arrays=None):
@@ -109,7 +109,7 @@ class ResponseThread:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.pb = pb_utils
         self.events = events
-        self.engine_thread = engine_thread
+        self.engine_core = engine_core
         self.metrics = metrics
         self.formatter = formatter
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
@@ -117,7 +117,7 @@ class ResponseThread:
         self.send_budget = send_budget
         self.every_step = every_step
         self.clock = clock
-        self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_thread.failure
+        self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_core.failure
         self._engine_failed = False
         self.shutdown_watch = shutdown_watch  # its deadline: when tritonserver's exit timeout cuts every stream
         # ended_arrays(stream, request_id): the last response of a stream that fails after it responded, sent in
@@ -248,7 +248,7 @@ class ResponseThread:
             self._on_output(request_id, outputs)
         except Exception:  # this request fails, not the others
             logger.exception("nanoserve: sending a response failed")
-            self.engine_thread.abort(request_id)
+            self.engine_core.abort(request_id)
             self._fail(request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
 
     def _publish_metrics(self, force: bool = False) -> None:
@@ -262,14 +262,14 @@ class ResponseThread:
     def _check_engine(self) -> None:
         """Once the engine has failed, no request in flight can end otherwise: end each with UNAVAILABLE (the
         checks run every cancel_check_interval while requests are in flight)."""
-        failure = self.engine_thread.failure
+        failure = self.engine_core.failure
         if failure is None:
             return
+        self._end_all(UNAVAILABLE + failure)  # first: unloading the model may take a while
         if not self._engine_failed:
             self._engine_failed = True
             if self.on_engine_failure is not None:
                 self.on_engine_failure(failure)
-        self._end_all(f"the model is unavailable: {failure}")
 
     def _check_shutdown(self) -> None:
         """tritonserver is shutting down and its exit timeout is about to cut the requests in flight without a
@@ -292,7 +292,7 @@ class ResponseThread:
 
     def _end_all(self, message: str) -> None:
         for request_id in list(self.streams):
-            self.engine_thread.abort(request_id)  # frees its blocks (a no-op for a failed engine)
+            self.engine_core.abort(request_id)  # frees its blocks (a no-op for a failed engine)
             self._fail(request_id, message, self.pb.TritonError.UNAVAILABLE)
 
     def _check_cancelled(self) -> None:
@@ -316,7 +316,7 @@ class ResponseThread:
             stream.cancelled = True
             triton_id = f" (Triton request id {stream.triton_request_id!r})" if stream.triton_request_id else ""
             logger.info("nanoserve: request %s%s %s; aborting it", request_id, triton_id, why)
-            self.engine_thread.abort(request_id)
+            self.engine_core.abort(request_id)
 
     # ---- one response ---------------------------------------------------------------------------------
     def _on_output(self, request_id: str, outputs: list) -> None:

@@ -29,6 +29,7 @@ class ServerArgs:
     http_host: str
     http_port: int
     exit_timeout: float
+    explicit_model_control: bool = False  # --model-control-mode=explicit: a model may unload itself
 
     @classmethod
     def parse(cls, argv: list[str]) -> "ServerArgs | None":
@@ -43,7 +44,8 @@ class ServerArgs:
             if not optional_bool("allow-http", values.get("allow-http"), default=True):
                 return None
             return cls("127.0.0.1" if host in ("0.0.0.0", "") else host, int(values.get("http-port", 8000)),
-                       float(values.get("exit-timeout-secs", DEFAULT_EXIT_TIMEOUT)))
+                       float(values.get("exit-timeout-secs", DEFAULT_EXIT_TIMEOUT)),
+                       values.get("model-control-mode") == "explicit")
         except ValueError:
             return None
 
