@@ -13,11 +13,13 @@ import shutil
 import numpy as np
 import pytest
 from engine_checks import check_block_invariants
+from gguf_files import write_gguf
 from hf_reference import hf_greedy, hf_logprobs
 from test_spec_decode import CHI2_9999, chi_square
 
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig, SpeculativeConfig
+from nanoserve.models.gguf import checkpoint_dir
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.tiny_model import build_tiny_model, cut_layers
 
@@ -86,7 +88,15 @@ def test_command_line_flag_takes_a_draft(models):
 
 
 def test_bad_drafts_name_the_field(models, tmp_path):
-    empty = str(tmp_path)
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    unsupported = shutil.copytree(models["cut"], str(tmp_path / "gpt2"))
+    with open(os.path.join(unsupported, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(unsupported, "config.json"), "w") as f:
+        json.dump({**config, "architectures": ["GPT2LMHeadModel"]}, f)
+    unweighted = shutil.copytree(models["cut"], str(tmp_path / "unweighted"),
+                                 ignore=shutil.ignore_patterns("*.safetensors"))
     cases = [
         ({"model": models["wide"]}, "speculative_config.model", "vocabulary has 2048 tokens"),
         ({"model": models["renumbered"]}, "speculative_config.model", "tokenizer differs"),
@@ -97,6 +107,8 @@ def test_bad_drafts_name_the_field(models, tmp_path):
         ({"model": models["cut"], "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max", "ngram"),
         ({"model": models["cut"], "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens", "0"),
         ({"model": 7}, "speculative_config.model", "7"),
+        ({"model": unsupported}, "speculative_config.model", "architecture 'GPT2LMHeadModel' is not supported"),
+        ({"model": unweighted}, "speculative_config.model", "no *.safetensors weights"),
     ]
     for value, field, detail in cases:
         with pytest.raises(ValueError) as error:
@@ -109,6 +121,18 @@ def test_tensor_parallel_is_refused(models):
     with pytest.raises(ValueError, match=r"^speculative_config.model: .*tensor_parallel_size is 2"):
         EngineConfig.from_kwargs(models["target"], device="cpu", tensor_parallel_size=2,
                                  speculative_config={"model": models["cut"]})
+
+
+def test_a_gguf_draft_is_converted_as_the_target_is(models, make_llm, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    monkeypatch.setenv("NANOSERVE_CACHE", cache)  # where the file is converted
+    gguf_path = write_gguf(models["target"], str(tmp_path / "target.gguf"), "qwen3")
+    target, prompts = models["target"], random_prompts(seed=14)[1:3]
+    base = generate(make_llm(target, kvcache_block_size=BLOCK), prompts, GREEDY)
+    llm = make_llm(target, kvcache_block_size=BLOCK, speculative_config=draft(gguf_path))
+    assert llm.engine.config.speculative_config.model == checkpoint_dir(gguf_path, cache)
+    assert generate(llm, prompts, GREEDY) == base
+    assert spec_stats(llm)["spec_decode_acceptance_rate"] == 1.0  # float32 GGUF: the target's own weights
 
 
 # ---- the engine: exact ------------------------------------------------------------------------------------------

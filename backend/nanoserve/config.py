@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from nanoserve.coercion import from_text
+from nanoserve.models import MODELS
 from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
@@ -154,6 +156,12 @@ class EngineConfig:
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config.model: {path!r} is not a checkpoint this engine can read: "
                              f"{str(e).splitlines()[0]}") from None
+        arch = (getattr(draft, "architectures", None) or [None])[0]
+        if arch not in MODELS:
+            raise ValueError(f"speculative_config.model: architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(sorted(MODELS))})")
+        if not glob.glob(os.path.join(path, "*.safetensors")):
+            raise ValueError(f"speculative_config.model: no *.safetensors weights in {path}")
         if draft.vocab_size != self.hf_config.vocab_size:
             raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
                              f"target's {self.hf_config.vocab_size}; a draft model needs the target's tokenizer")
