@@ -12,10 +12,12 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from engine_checks import check_block_invariants
 from gguf_files import write_gguf
-from hf_reference import hf_greedy, hf_logprobs
+from hf_reference import hf_greedy, hf_logprobs, hf_model
 from test_spec_decode import CHI2_9999, chi_square
+from transformers import AutoModelForCausalLM
 
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig, SpeculativeConfig
@@ -64,6 +66,18 @@ def generate(llm, prompts, params):
 
 def spec_stats(llm):
     return {key: value for key, value in llm.stats().items() if key.startswith("spec_decode")}
+
+
+def test_cut_layers_keeps_the_first_layers(models):
+    """The cut checkpoint is the target with its later decoder layers removed (transformers on both)."""
+    # a copy of its own (hf_model's is shared by the other tests), since it is cut here
+    target = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+    cut = hf_model(models["cut"])
+    target.model.layers = target.model.layers[:1]
+    target.config.num_hidden_layers = 1
+    ids = torch.tensor([random_prompts(seed=15, lengths=(12,))[0]])
+    assert cut.config.num_hidden_layers == 1
+    torch.testing.assert_close(cut(ids).logits, target(ids).logits)
 
 
 # ---- configuration ----------------------------------------------------------------------------------------------
