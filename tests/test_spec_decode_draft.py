@@ -311,6 +311,29 @@ def test_parallel_samples(models, make_llm):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in p.outputs] for p in got] == [[c.token_ids for c in p.outputs] for p in base]
     assert spec_stats(llm)["spec_decode_num_drafts"] > 0
+    # the later samples take the first's prompt blocks: the draft's KV there is right too
+    greedy = SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True)
+    single = generate(make_llm(target, kvcache_block_size=BLOCK), prompts, greedy.for_sample(0))
+    llm = make_llm(target, kvcache_block_size=BLOCK, speculative_config=draft(target))
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [[c.token_ids for c in p.outputs] for p in got] == [[tokens, tokens] for tokens in single]
+    assert spec_stats(llm)["spec_decode_acceptance_rate"] == 1.0
+
+
+def test_penalties_and_logprobs_at_every_proposed_position(models, make_llm):
+    target, prompts = models["target"], random_prompts(seed=4)[1:4]
+    params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5,
+                            frequency_penalty=0.2, min_tokens=10, logprobs=3)
+    base = make_llm(target, kvcache_block_size=BLOCK).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(target, kvcache_block_size=BLOCK, speculative_config=draft(models["cut"]))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [out.token_ids for out in got] == [out.token_ids for out in base]
+    for mine, theirs in zip(got, base):
+        assert len(mine.logprobs) == len(mine.token_ids)
+        for entry, expected in zip(mine.logprobs, theirs.logprobs):
+            assert entry.keys() == expected.keys()
+            assert all(entry[t] == pytest.approx(expected[t], abs=1e-4) for t in entry)
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_lora_and_structured_outputs(tiny_models, lora_adapters, make_llm):
