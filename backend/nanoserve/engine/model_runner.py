@@ -250,8 +250,11 @@ class ModelRunner:
             return None
         meta = self.batch.sampling_metadata(self.device, bitmask)
         token_ids = step.token_ids()
-        return RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
-                            {row: ([], [], 1) for row in meta.logprob_rows})
+        out = RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
+                           {row: ([], [], 1) for row in meta.logprob_rows})
+        if self.batch.num_draft_tokens is not None:  # proposals: verified against the random ids
+            out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
+        return out
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.
