@@ -21,6 +21,7 @@ from nanoserve.engine.input_batch import InputBatch, StepInputs
 from nanoserve.layers.attention import Attention, AttentionBackend, AttentionBatch
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.models import get_model_class, load_weights
+from nanoserve.models.loader import default_dtype
 from nanoserve.models.quantize import quantize_weights
 
 
@@ -31,13 +32,8 @@ class DraftModel:
         self.device, self.backend, self.upload = device, backend, upload
         self.kv_dtype = config.kv_torch_dtype
         hf = AutoConfig.from_pretrained(self.path)
-        with torch.device(device):
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(config.torch_dtype)
-            try:
-                self.model = get_model_class(hf)(hf, backend)
-            finally:
-                torch.set_default_dtype(old)
+        with torch.device(device), default_dtype(config.torch_dtype):
+            self.model = get_model_class(hf)(hf, backend)
         load_weights(self.model, self.path)
         quantization = config.quantization if device.type == "cpu" else "none"
         chosen = quantize_weights(self.model, quantization, config.torch_dtype)

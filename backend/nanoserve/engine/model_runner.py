@@ -3,7 +3,6 @@ the forward (through a CUDA graph where one fits), and on rank 0 samples. It kno
 executor builds one runner per rank and calls every rank's runner the same way."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
@@ -26,6 +25,7 @@ from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
+from nanoserve.models.loader import default_dtype
 from nanoserve.models.lora import LoRAStore
 from nanoserve.models.quantize import quantize_weights
 from nanoserve.sampling_params import SamplingParams
@@ -71,16 +71,6 @@ def pick_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", first + rank)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, eos_token_ids=()):
         self.config, self.device, self.dtype = config, device, config.torch_dtype
@@ -89,7 +79,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
         hf = config.hf_config
-        with torch.device(device), _default_dtype(self.dtype):
+        with torch.device(device), default_dtype(self.dtype):
             self.model = get_model_class(hf)(hf, self.backend)
             self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                           if config.enable_lora else None)
@@ -215,13 +205,17 @@ class ModelRunner:
         return self.forward(self.prepare(out))
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Apply the step's diffs (rows, adapters) to the persistent batch: the step's inputs. With a draft model,
-        it computes the step's tokens first and writes its proposals into out."""
+        """Apply the step's diffs (rows, adapters) to the persistent batch: the step's inputs."""
         self.batch.update(out)
         for slot, adapter in out.lora_loads:
             self.loras.load(slot, adapter.id, adapter.path)
-        if self.draft is None or self.simulated is not None:
-            return self.batch.prepare(out)
+        if self.draft is not None and self.simulated is None:
+            return self._prepare_with_draft(out)
+        return self.batch.prepare(out)
+
+    def _prepare_with_draft(self, out: SchedulerOutput) -> StepInputs:
+        """The draft model computes the step's tokens but the proposals (sampled at the last token of each row
+        that proposes), proposes into out.draft_token_ids, and then the step's inputs are made with them."""
         drafts = out.num_draft_tokens
         if not np.count_nonzero(drafts):
             inputs = self.batch.prepare(out)
