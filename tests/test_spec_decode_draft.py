@@ -272,6 +272,35 @@ def test_chunked_prefill_and_preemption(models, make_llm):
     assert stats["num_preemptions"] > 0 and stats["spec_decode_acceptance_rate"] == 1.0
 
 
+def test_prompt_chunks_with_prompt_logprobs_beside_proposals(models, make_llm):
+    """A long prompt wanting prompt logprobs is computed in chunks in steps where other rows propose: its
+    logprobs and every row's tokens equal the engine's without speculation."""
+    target = models["target"]
+    prompts = random_prompts(seed=16, lengths=(5, 9, 50))
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)]
+    # chunks of 18, 30 and 2 tokens: the last beside the two decoding rows' proposals
+    engine_args = {"kvcache_block_size": BLOCK, "max_num_batched_tokens": 32}
+    base = make_llm(target, **engine_args).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(target, **engine_args, speculative_config=draft(target))
+    scheduler, steps = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append((int(out.num_draft_tokens.sum()), out.num_prefill_tokens))
+        return out
+    scheduler.schedule = recording_schedule
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert any(drafted and prefill for drafted, prefill in steps)
+    assert [out.token_ids for out in got] == [out.token_ids for out in base]
+    mine, theirs = got[2].prompt_logprobs, base[2].prompt_logprobs
+    assert len(mine) == len(theirs) == 50 and mine[0] is None
+    for entry, expected in zip(mine[1:], theirs[1:]):
+        assert entry.keys() == expected.keys()
+        assert all(entry[t] == pytest.approx(expected[t], abs=1e-4) for t in entry)
+    assert spec_stats(llm)["spec_decode_acceptance_rate"] == 1.0
+
+
 def test_prefix_cached_blocks_hold_the_drafts_kv(models, make_llm):
     """A prompt that repeats an earlier prompt and its output takes their blocks from the prefix cache: the
     draft's KV there is right, so the target as its own draft still accepts every proposal."""
