@@ -115,6 +115,7 @@ def test_bad_drafts_name_the_field(models, tmp_path):
         ({"model": models["wide"]}, "speculative_config.model", "vocabulary has 2048 tokens"),
         ({"model": models["renumbered"]}, "speculative_config.model", "tokenizer differs"),
         ({"model": "/no/such/draft"}, "speculative_config.model", "/no/such/draft"),
+        ({"model": "/no/such/draft.gguf"}, "speculative_config.model", "no such GGUF file"),
         ({"model": empty}, "speculative_config.model", empty),
         ({"model": models["cut"], "method": "ngram"}, "speculative_config.model", "ngram"),
         ({"method": "draft_model"}, "speculative_config.model", "needs a draft model"),
