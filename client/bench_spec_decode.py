@@ -1,14 +1,19 @@
-"""Speculative decoding (n-gram proposals) against none, side by side in one run, alternating, on the trained
-SmolLM2-135M-Instruct (the demo's GGUF): two offline engines of the same checkpoint, one with speculative_config.
+"""Speculative decoding against none, side by side in one run, alternating, on the trained SmolLM2-135M-Instruct
+(the demo's GGUF): offline engines of the same checkpoint, one without speculation and one per method asked for:
+- ngram: --speculative-config (n-gram proposals by default);
+- self: SmolLM2 as its own draft model (the acceptance rate's upper bound: only the tokenizer must match);
+- cutN: a draft of SmolLM2's first N layers (with its embeddings, final norm and LM head), e.g. cut2.
 
 Workloads (greedy):
 - grounded: chat prompts whose answer repeats much of the prompt (repeat a text, edit a code snippet, extract
   sentences), at 1 concurrent request (one after the other) and at 8 (all 8 at once);
 - random: prompts of random token ids, whose output never repeats them, 64 at once.
 Prints, per workload and engine, output tokens / second and the mean time per output token of the requests, the
-median ratio over the rounds (the two engines take turns going first), and the acceptance rate.
+median ratio over the rounds against no speculation (the engines take turns going first), and the acceptance
+rate.
 
     python client/bench_spec_decode.py --rounds 3
+    python client/bench_spec_decode.py --rounds 3 --methods self,cut2 --num-speculative-tokens 4
 """
 from __future__ import annotations
 
@@ -73,10 +78,47 @@ def run(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[flo
     return total / wall, tpot, total
 
 
+def speculative_config(method: str, gguf: str, args) -> dict:
+    """The speculative_config of a --methods entry (cutN: the N-layer draft is written once into the cache)."""
+    if method == "ngram":
+        return json.loads(args.speculative_config)
+    if method == "self":
+        return {"model": gguf, "num_speculative_tokens": args.num_speculative_tokens}
+    if method.startswith("cut") and method[3:].isdigit():
+        from nanoserve.cache import default_cache_dir
+        from nanoserve.models.gguf import as_checkpoint_dir
+        from nanoserve.tiny_model import cut_layers
+
+        out_dir = default_cache_dir() / f"smollm2-{method}"
+        if not (out_dir / "config.json").exists():
+            cut_layers(as_checkpoint_dir(gguf), str(out_dir), int(method[3:]))
+        return {"model": str(out_dir), "num_speculative_tokens": args.num_speculative_tokens}
+    raise SystemExit(f"--methods: unknown method {method!r} (ngram, self, cutN)")
+
+
+def run_rounds(engines: dict, prompts, params, concurrency: int, rounds: int) -> dict[str, list[tuple]]:
+    """Per engine and round: (output tok/s, mean TPOT, output tokens, acceptance rate); the engines take turns
+    going first."""
+    results = {key: [] for key in engines}
+    for round_index in range(rounds):
+        order = list(engines.items())
+        for key, engine in order[round_index % len(order):] + order[:round_index % len(order)]:
+            before = dict(engine.stats())
+            measured = run(engine, prompts, params, concurrency)
+            after = engine.stats()
+            drafted, accepted = (after.get(name, 0) - before.get(name, 0) for name in (
+                "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"))
+            results[key].append(measured + (accepted / drafted if drafted else 0.0,))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
+                        help="the ngram method's speculative_config")
+    parser.add_argument("--methods", default="ngram", help="comma-separated: ngram, self, cutN (N layers)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="K of the draft-model methods")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--random-count", type=int, default=64)
     parser.add_argument("--random-max-tokens", type=int, default=32)
@@ -92,9 +134,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = str(smollm2_gguf())
-    spec = json.loads(args.speculative_config)
-    engines = {"off": LLMEngine.from_engine_args(gguf, device="cpu"),
-               "ngram": LLMEngine.from_engine_args(gguf, device="cpu", speculative_config=spec)}
+    specs = {method: speculative_config(method, gguf, args) for method in args.methods.split(",")}
+    engines = {"off": LLMEngine.from_engine_args(gguf, device="cpu")}
+    engines.update({method: LLMEngine.from_engine_args(gguf, device="cpu", speculative_config=spec)
+                    for method, spec in specs.items()})
     tokenizer = engines["off"].tokenizer
     grounded = chat_prompts(tokenizer, GROUNDED)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -107,30 +150,24 @@ def main() -> None:
     }
     for engine in engines.values():  # warm-up: kernels built, caches touched
         run(engine, grounded[:1], SamplingParams(temperature=0.0, max_tokens=8), 1)
-    print(f"speculative_config: {json.dumps(spec)}; rounds: {args.rounds}, alternating\n")
+    for method, spec in specs.items():
+        print(f"{method}: speculative_config {json.dumps(spec)}")
+    print(f"rounds: {args.rounds}, alternating\n")
     for name, (prompts, params, concurrency) in workloads.items():
-        results = {key: [] for key in engines}
         if args.only and args.only not in name:
             continue
-        for round_index in range(args.rounds):
-            order = list(engines.items())
-            for key, engine in order if round_index % 2 == 0 else order[::-1]:  # each goes first in turn
-                before = dict(engine.stats())
-                results[key].append(run(engine, prompts, params, concurrency))
-                after = engine.stats()
-                if key == "ngram":
-                    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
-                    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
-                    results[key][-1] += (accepted / drafted if drafted else 0.0,)
-        ratios = [on[0] / off[0] for off, on in zip(results["off"], results["ngram"])]
-        tpot_ratios = [off[1] / on[1] for off, on in zip(results["off"], results["ngram"])]
-        off, on = results["off"], results["ngram"]
-        print(f"{name}: output tok/s off {statistics.median(r[0] for r in off):.1f}, ngram "
-              f"{statistics.median(r[0] for r in on):.1f}; TPOT ms off {1e3 * statistics.median(r[1] for r in off):.1f}"
-              f", ngram {1e3 * statistics.median(r[1] for r in on):.1f}; speedup (tok/s) median "
-              f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)}), TPOT "
-              f"{statistics.median(tpot_ratios):.2f}x; acceptance {statistics.median(r[3] for r in on):.2f}; "
-              f"output tokens off {off[0][2]}, ngram {on[0][2]}", flush=True)
+        results = run_rounds(engines, prompts, params, concurrency, args.rounds)
+        off = results["off"]
+        for method in specs:
+            on = results[method]
+            ratios = [b[0] / a[0] for a, b in zip(off, on)]
+            tpot_ratios = [a[1] / b[1] for a, b in zip(off, on)]
+            median = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
+            print(f"{name}, {method}: output tok/s off {median(off, 0):.1f}, on {median(on, 0):.1f}; TPOT ms off "
+                  f"{1e3 * median(off, 1):.1f}, on {1e3 * median(on, 1):.1f}; speedup (tok/s) median "
+                  f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)}), TPOT "
+                  f"{statistics.median(tpot_ratios):.2f}x; acceptance {median(on, 3):.2f}; output tokens off "
+                  f"{off[0][2]}, on {on[0][2]}", flush=True)
     for engine in engines.values():
         engine.shutdown()
 

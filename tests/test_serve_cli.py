@@ -96,6 +96,8 @@ def edit_json(path: Path, **changes) -> None:
     (["{ckpt}", "--speculative-config", '{{"method": "ngram", "prompt_lookup_min": 9}}'],
      "speculative_config.prompt_lookup_min: 9 exceeds prompt_lookup_max (5)"),
     (["{ckpt}", "--speculative-config", "{{ngram"], "speculative_config: expected a JSON object, got '{{ngram'"),
+    (["{ckpt}", "--speculative-config", '{{"model": "{tmp}/missing"}}'],
+     "speculative_config.model: '{tmp}/missing' is not a directory"),
     (["{tmp}/missing"], "model: {tmp}/missing does not exist"),
     (["{tmp}"], "{tmp}/config.json: not found"),
     (["{ckpt}", "--served-model-name", "a/b"], "--served-model-name: 'a/b'"),

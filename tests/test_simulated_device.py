@@ -52,6 +52,23 @@ def test_the_offline_llm_generates_on_the_simulated_device(make_llm, qwen3_dir, 
     assert [len(completion.token_ids) for output in outputs for completion in output.outputs] == [6] * 4
 
 
+def test_a_draft_models_slots_are_filled_without_running_it(make_llm, qwen3_dir, monkeypatch):
+    """With a draft model the simulated device runs neither model: the proposals' slots get token 0."""
+    from nanoserve import SamplingParams
+
+    simulated = simulated_llm(make_llm, qwen3_dir, monkeypatch, "sync",
+                              speculative_config={"model": qwen3_dir, "num_speculative_tokens": 2})
+    draft = simulated.engine.executor.runner.draft
+
+    def never(*args):
+        raise AssertionError("the draft model ran on the simulated device")
+    monkeypatch.setattr(draft, "propose", never)
+    monkeypatch.setattr(draft, "compute", never)
+    outputs = simulated.generate(["a b c", "d e"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert [len(output.outputs[0].token_ids) for output in outputs] == [6, 6]
+    assert simulated.stats()["spec_decode_num_draft_tokens"] > 0
+
+
 def test_the_environment_is_checked_and_names_its_variable():
     assert SimulatedDevice.from_env(environ={}) is None
     assert SimulatedDevice.from_env(environ={ENV_STEP_MS: " "}) is None

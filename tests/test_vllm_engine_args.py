@@ -97,3 +97,23 @@ def test_every_vllm_name_is_renamed_kept_or_ignored(vllm_only, own, renamed):
 ])
 def test_report_custom_metrics_switches_the_vllm_metrics_as_in_vllm_backend(parameter, model_json, on):
     assert reports_vllm_metrics(parameter, model_json) is on
+
+
+def test_a_relative_draft_path_is_taken_from_model_json_s_folder_or_the_current_directory(tmp_path, monkeypatch):
+    """As `model` is: model.json's relative paths from its model's folder, a command line's from where it runs."""
+    from nanoserve.serving.launcher import make_model_repository
+    from nanoserve.serving.model_json import read_model_json
+
+    model_dir = tmp_path / "repo" / "m"
+    (model_dir / "1").mkdir(parents=True)
+    spec = {"model": "drafts/small", "num_speculative_tokens": 3}
+    (model_dir / "1" / "model.json").write_text(json.dumps({"model": "/ckpt", "speculative_config": spec}))
+    assert read_model_json(str(model_dir), "1")["speculative_config"] == {
+        "model": str(model_dir / "drafts" / "small"), "num_speculative_tokens": 3}
+    template = tmp_path / "template"
+    (template / "m" / "1").mkdir(parents=True)
+    (template / "m" / "1" / "model.json").write_text(json.dumps({"model": "x"}))
+    monkeypatch.chdir(tmp_path)
+    make_model_repository(tmp_path / "out", "/ckpt", template=template, speculative_config=spec)
+    written = json.loads((tmp_path / "out" / "m" / "1" / "model.json").read_text())
+    assert written["speculative_config"]["model"] == str(tmp_path / "drafts" / "small")

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from nanoserve.coercion import from_text
+from nanoserve.models import MODELS
 from nanoserve.models.gguf import as_checkpoint_dir
 
 ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
@@ -65,7 +67,9 @@ class EngineConfig:
     speculative_config: dict | None = _arg(None, "speculative decoding, as vLLM spells it: a JSON object "
                                                  '{"method": "ngram", "num_speculative_tokens": K, '
                                                  '"prompt_lookup_min": A, "prompt_lookup_max": B, '
-                                                 '"disable_by_batch_size": N} (default: off)')
+                                                 '"disable_by_batch_size": N}, or with a draft model '
+                                                 '{"model": DIR_OR_GGUF, "num_speculative_tokens": K} '
+                                                 "(default: off)")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -108,6 +112,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
         self._load_hf_config()
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self._check_draft_model()
 
     def _check_quantization(self):
         if self.quantization is None:  # LLM(quantization=None): Python's spelling of "none"
@@ -137,6 +143,36 @@ class EngineConfig:
         elif self.max_model_len > limit:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings ({limit})")
+
+    def _check_draft_model(self):
+        """The draft must read and write the target's token ids: the same vocabulary size and, where its
+        directory holds a tokenizer, the same token -> id map; one device (the draft runs beside rank 0)."""
+        path = self.speculative_config.model
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config.model: a draft model runs on one device, but "
+                             f"tensor_parallel_size is {self.tensor_parallel_size} (use method 'ngram')")
+        try:
+            draft = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config.model: {path!r} is not a checkpoint this engine can read: "
+                             f"{str(e).splitlines()[0]}") from None
+        arch = (getattr(draft, "architectures", None) or [None])[0]
+        if arch not in MODELS:
+            raise ValueError(f"speculative_config.model: architecture {arch!r} is not supported (supported: "
+                             f"{', '.join(sorted(MODELS))})")
+        if not glob.glob(os.path.join(path, "*.safetensors")):
+            raise ValueError(f"speculative_config.model: no *.safetensors weights in {path}")
+        if draft.vocab_size != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has {draft.vocab_size} tokens, the "
+                             f"target's {self.hf_config.vocab_size}; a draft model needs the target's tokenizer")
+        if getattr(draft, "max_position_embeddings", self.max_model_len) < self.max_model_len:
+            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                             f"({draft.max_position_embeddings}) is below max_model_len ({self.max_model_len})")
+        if has_tokenizer(path):
+            differing = differing_tokens(self.tokenizer, path)
+            if differing:
+                raise ValueError(f"speculative_config.model: the draft's tokenizer differs from the target's "
+                                 f"({differing} tokens have other ids); a draft model needs the target's tokenizer")
 
     @property
     def device_type(self) -> str:
@@ -178,9 +214,11 @@ class EngineConfig:
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding by prompt lookup (n-gram): each step, a decoding request whose last
-    prompt_lookup_max .. prompt_lookup_min tokens occurred earlier in its prompt or output proposes the (up to
-    num_speculative_tokens) tokens that followed there, and one forward verifies them."""
+    """Speculative decoding: each step, a decoding request proposes up to num_speculative_tokens tokens and one
+    forward of the target model verifies them. method "ngram" (prompt lookup): the tokens that followed the
+    latest earlier occurrence of the request's last prompt_lookup_max .. prompt_lookup_min tokens in its prompt
+    or output. method "draft_model" (the default when model is given): a smaller model with the target's
+    tokenizer proposes them greedily, one token at a time (engine/draft_model.py)."""
     method: str = "ngram"
     num_speculative_tokens: int = 4  # proposed tokens per request and step, at most
     prompt_lookup_min: int = 3  # the shortest suffix of the request's tokens looked up
@@ -188,22 +226,23 @@ class SpeculativeConfig:
     # speculate only while fewer requests run (None: always). At a large batch a step's cost grows with its
     # tokens, so proposals gain little and rejected ones cost (docs/benchmarks.md: 64 requests on a CPU)
     disable_by_batch_size: int | None = 32
+    model: str | None = None  # the draft model (method "draft_model"): a checkpoint directory or a .gguf file
 
     @classmethod
     def from_dict(cls, given) -> "SpeculativeConfig":
-        """vLLM's spelling; ValueError naming the field for anything this engine cannot run."""
+        """vLLM's spelling; ValueError naming the field for anything this engine cannot run. A draft model's
+        path is resolved here (a .gguf converted once); EngineConfig checks it against the target."""
         if not isinstance(given, dict):
             raise ValueError(f"speculative_config: expected a JSON object, got {given!r}")
-        if "model" in given:
-            raise ValueError("speculative_config.model: draft-model speculation is not supported; use "
-                             '{"method": "ngram", ...}')
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(given) - known)
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+        if given.get("model") is not None and "method" not in given:
+            given = {**given, "method": "draft_model"}  # as vLLM infers it
         config = cls(**given)
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method: must be 'ngram', got {config.method!r}")
+        if config.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method: must be 'ngram' or 'draft_model', got {config.method!r}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             _require_positive_int(f"speculative_config.{name}", getattr(config, name))
         if config.prompt_lookup_min > config.prompt_lookup_max:
@@ -211,7 +250,25 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({config.prompt_lookup_max})")
         if config.disable_by_batch_size is not None:
             _require_positive_int("speculative_config.disable_by_batch_size", config.disable_by_batch_size)
+        config._check_method_fields(given)
         return config
+
+    def _check_method_fields(self, given: dict) -> None:
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model: method 'ngram' takes no draft model (give only "
+                                 "\"model\" for draft-model speculation)")
+            return
+        lookup = sorted(name for name in given if name.startswith("prompt_lookup_"))
+        if lookup:
+            raise ValueError(f"speculative_config.{lookup[0]}: only method 'ngram' looks up the prompt")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config.model: method 'draft_model' needs a draft model (a checkpoint "
+                             f"directory or a .gguf file), got {self.model!r}")
+        self.model = _checkpoint("speculative_config.model", self.model)
+        if not os.path.isdir(self.model):
+            raise ValueError(f"speculative_config.model: {self.model!r} is not a directory (expected a Hugging "
+                             "Face checkpoint or a .gguf file)")
 
 
 # vLLM's names for nanoserve's own engine arguments: LLM(...), model.json and `nanoserve serve` take either
@@ -228,6 +285,17 @@ def with_own_names(args: dict, given_by: str) -> dict:
             raise ValueError(f"{name}: vLLM's name for {own}, which {given_by} too")
         renamed[own] = value
     return renamed
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(model_dir, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"))
+
+
+def differing_tokens(tokenizer_dir: str, other_dir: str) -> int:
+    """How many tokens are missing from, or have another id in, either directory's tokenizer."""
+    mine, other = (AutoTokenizer.from_pretrained(d).get_vocab() for d in (tokenizer_dir, other_dir))
+    return sum(other.get(token) != token_id for token, token_id in mine.items()) + len(other.keys() - mine.keys())
 
 
 def _checkpoint(name: str, path: str) -> str:

@@ -80,6 +80,37 @@ def build_tiny_model(out_dir: str, arch: str = "qwen3", seed: int = 0, max_shard
     return out_dir
 
 
+def cut_layers(model_dir: str, out_dir: str, num_layers: int) -> str:
+    """Write a checkpoint of model_dir's first num_layers decoder layers (with its embeddings, final norm, LM head
+    and tokenizer) into out_dir: a draft model for speculative decoding that shares the target's tokenizer and
+    some of its predictions. Returns out_dir."""
+    import json
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    kept = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        for name, tensor in load_file(path).items():
+            layer = re.search(r"\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                kept[name] = tensor.contiguous()
+    save_file(kept, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):  # per-layer attention types (Qwen3's config has them)
+        config["layer_types"] = config["layer_types"][:num_layers]
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(model_dir):
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(os.path.join(model_dir, name), out_dir)
+    return out_dir
+
+
 def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__)
     parser.add_argument("out_dir", help="the checkpoint directory to write")

@@ -3,7 +3,7 @@ the forward (through a CUDA graph where one fits), and on rank 0 samples. It kno
 executor builds one runner per rank and calls every rank's runner the same way."""
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +14,7 @@ import torch
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
+from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.simulated_device import SimulatedDevice
@@ -24,6 +25,7 @@ from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
+from nanoserve.models.loader import default_dtype
 from nanoserve.models.lora import LoRAStore
 from nanoserve.models.quantize import quantize_weights
 from nanoserve.sampling_params import SamplingParams
@@ -69,16 +71,6 @@ def pick_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", first + rank)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, eos_token_ids=()):
         self.config, self.device, self.dtype = config, device, config.torch_dtype
@@ -87,7 +79,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.backend = make_backend(config.attention_backend)
         hf = config.hf_config
-        with torch.device(device), _default_dtype(self.dtype):
+        with torch.device(device), default_dtype(self.dtype):
             self.model = get_model_class(hf)(hf, self.backend)
             self.loras = (LoRAStore(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                           if config.enable_lora else None)
@@ -102,6 +94,9 @@ class ModelRunner:
         self.simulated = SimulatedDevice.from_env(config.seed)  # a benchmark tool: no forward, no sampler math
         if self.simulated is not None:
             logger.warning("nanoserve: %s", self.simulated.describe())
+        spec = config.speculative_config
+        self.draft = DraftModel(config, device, self.backend, self._upload) \
+            if spec is not None and spec.method == "draft_model" else None
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CUDAGraphRunner | None = None
         self.step_prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = {}  # the last forward's
@@ -119,6 +114,8 @@ class ModelRunner:
         """Allocate the KV cache (and capture CUDA graphs); returns its number of blocks. Every rank calls it
         at once: they agree on the smallest count."""
         block_bytes = int(np.prod(self._kv_shape(1))) * self.kv_dtype.itemsize
+        if self.draft is not None:  # the draft's cache has a block for each of the target's
+            block_bytes += int(np.prod(self.draft.kv_shape(1, self.block_size))) * self.kv_dtype.itemsize
         num_blocks = self.config.num_kvcache_blocks
         if num_blocks is None:
             if self.device.type == "cpu":
@@ -133,6 +130,9 @@ class ModelRunner:
             raise ValueError(f"no memory left for the KV cache (one block needs {block_bytes} bytes): raise "
                              "gpu_memory_utilization / cpu_kvcache_space_gib, or lower max_num_batched_tokens")
         self._bind_kv_cache(torch.zeros(self._kv_shape(num_blocks), dtype=self.kv_dtype, device=self.device))
+        if self.draft is not None:
+            self.draft.bind_kv_cache(torch.zeros(self.draft.kv_shape(num_blocks, self.block_size), dtype=self.kv_dtype,
+                                                 device=self.device))
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.capturable:
             c = self.config
             self.graphs = CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq,
@@ -209,12 +209,32 @@ class ModelRunner:
         self.batch.update(out)
         for slot, adapter in out.lora_loads:
             self.loras.load(slot, adapter.id, adapter.path)
+        if self.draft is not None and self.simulated is None:
+            return self._prepare_with_draft(out)
+        return self.batch.prepare(out)
+
+    def _prepare_with_draft(self, out: SchedulerOutput) -> StepInputs:
+        """The draft model computes the step's tokens but the proposals (sampled at the last token of each row
+        that proposes), proposes into out.draft_token_ids, and then the step's inputs are made with them."""
+        drafts = out.num_draft_tokens
+        if not np.count_nonzero(drafts):
+            inputs = self.batch.prepare(out)
+            self.draft.compute(inputs)
+            return inputs
+        without_proposals = dataclasses.replace(
+            out, num_scheduled_tokens=out.num_scheduled_tokens - drafts, samples=drafts > 0,
+            num_batched_tokens=out.num_batched_tokens - int(drafts.sum()), num_draft_tokens=drafts[:0])
+        speculating = np.flatnonzero(drafts)
+        out.draft_token_ids = self.draft.propose(self.batch.prepare(without_proposals), self.batch,
+                                                 self.batch.slots[speculating], drafts[speculating])
         return self.batch.prepare(out)
 
     @torch.inference_mode()
     def simulate(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
         """execute() on the simulated device: the same host work (inputs prepared and uploaded, then the sampling
         metadata while the device runs), random ids for the forward and the sampler's math."""
+        if len(out.num_draft_tokens) and not len(out.draft_token_ids):  # a draft model's, but no model runs
+            out.draft_token_ids = np.zeros(int(out.num_draft_tokens.sum()), dtype=np.int64)
         inputs = self.prepare(out)
         self._upload(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
                      inputs.query_start_loc, inputs.seq_lens, inputs.block_tables)
@@ -224,8 +244,11 @@ class ModelRunner:
             return None
         meta = self.batch.sampling_metadata(self.device, bitmask)
         token_ids = step.token_ids()
-        return RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
-                            {row: ([], [], 1) for row in meta.logprob_rows})
+        out = RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
+                           {row: ([], [], 1) for row in meta.logprob_rows})
+        if self.batch.num_draft_tokens is not None:  # proposals: verified against the random ids
+            out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
+        return out
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.
@@ -324,6 +347,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.graphs = None
         self._bind_kv_cache(None)
+        if self.draft is not None:
+            self.draft.bind_kv_cache(None)
 
 
 def verify(sampled: RunnerOutput, num_draft_tokens: np.ndarray, draft_token_ids: np.ndarray) -> RunnerOutput:

@@ -51,7 +51,10 @@ class Scheduler:
         self._new_token_ids = _NO_TOKENS  # what update() appended, for the runners
         self._new_token_counts = _NO_TOKENS  # how many of them per row (empty: one each)
         self.speculative = spec = speculative  # None: no speculative decoding
-        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # n-gram proposals are made here; a draft model's in the model runner, at the start of the step, into the
+        # slots scheduled for them (proposer None)
+        self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
+            if spec is not None and spec.method == "ngram" else None
         self.spec_stats = None if spec is None else SpecDecodeStats(spec.num_speculative_tokens)
 
     # ---- queues ----
@@ -116,7 +119,7 @@ class Scheduler:
                               _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
         self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
         counts, num_batched = self._schedule_running(out)
-        if self.proposer is not None and not out.preempted_ids and self._speculates():
+        if self.speculative is not None and not out.preempted_ids and self._speculates():
             counts, num_batched = self._schedule_drafts(out, counts, num_batched)
         if self.waiting and not out.preempted_ids:
             counts, num_batched = self._schedule_waiting(out, counts, num_batched)
@@ -171,15 +174,17 @@ class Scheduler:
             limit = min(self.speculative.num_speculative_tokens, budget, int(max_num_tokens[row] - num_tokens[row]) - 1)
             if limit <= 0 or seq.grammar is not None:  # structured outputs: no speculation
                 continue
-            draft = self.proposer.propose(seq.token_ids, limit)
-            draft = draft[:self._room_for(row, len(draft), out)]
-            drafts[row] = len(draft)
-            draft_ids += draft
-            budget -= len(draft)
-        if not draft_ids:
+            draft = self.proposer.propose(seq.token_ids, limit) if self.proposer is not None else None
+            drafts[row] = self._room_for(row, limit if draft is None else len(draft), out)
+            draft_ids += draft[:drafts[row]] if draft is not None else []
+            budget -= drafts[row]
+        num_drafted = int(drafts.sum())
+        if not num_drafted:
             return counts, num_batched
-        out.num_draft_tokens, out.draft_token_ids = drafts, np.array(draft_ids, dtype=np.int64)
-        return counts + drafts, num_batched + len(draft_ids)
+        out.num_draft_tokens = drafts
+        if self.proposer is not None:  # (a draft model fills them in at the start of the step)
+            out.draft_token_ids = np.array(draft_ids, dtype=np.int64)
+        return counts + drafts, num_batched + num_drafted
 
     def _room_for(self, row: int, num_draft: int, out: SchedulerOutput) -> int:
         """How many of num_draft proposed tokens running[row] can hold KV for, taking free blocks if needed."""

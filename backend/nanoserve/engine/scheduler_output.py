@@ -43,7 +43,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0  # num_scheduled_tokens.sum()
     num_prefill_tokens: int = 0  # of those, the tokens at prompt positions
     # speculative decoding: [rows] proposed tokens each row verifies, the last of its scheduled tokens (empty:
-    # none this step), and the proposed tokens themselves, in row order
+    # none this step), and the proposed tokens themselves, in row order (n-gram proposals; a draft model's are
+    # written here by the model runner at the start of the step)
     num_draft_tokens: np.ndarray = _empty()
     draft_token_ids: np.ndarray = _empty()
     # ---- before the forward ----

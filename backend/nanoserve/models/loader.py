@@ -4,9 +4,11 @@ blocks, models/gguf.py): those go to the layer's `weight_groups`, which models/q
 weight."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
@@ -14,6 +16,17 @@ from nanoserve.layers.linear import default_weight_loader
 from nanoserve.layers.quantization import load_group_part, split_part
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to dtype inside the block: a model built there has its parameters in dtype."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:

@@ -395,7 +395,7 @@ def make_model_repository(dest, checkpoint, models=None, template=None, rename=N
     """Copy the model repository template (default: the repo's model_repository/; only `models` if given) to
     dest, each model under the name `rename` gives it (if any), and point every model.json at checkpoint
     (absolute paths), with engine_args merged in."""
-    from nanoserve.serving.model_json import PATH_ARGS
+    from nanoserve.serving.model_json import PATH_ARGS, with_draft_path
 
     template = Path(template) if template else (repo_root() or Path("/nonexistent")) / "model_repository"
     if not template.is_dir():
@@ -406,6 +406,6 @@ def make_model_repository(dest, checkpoint, models=None, template=None, rename=N
     checkpoint = str(Path(checkpoint).resolve())
     for model_json in dest.glob("*/*/model.json"):
         args = json.loads(model_json.read_text())
-        args.update({name: checkpoint for name in PATH_ARGS if name in args}, **engine_args)
+        args.update({name: checkpoint for name in PATH_ARGS if name in args}, **with_draft_path(engine_args, os.getcwd()))
         model_json.write_text(json.dumps(args, indent=2) + "\n")
     return dest

@@ -76,6 +76,16 @@ def read_model_json(model_dir: str, version: str = "1") -> dict:
     for name in PATH_ARGS:
         if isinstance(args.get(name), str):
             args[name] = os.path.normpath(os.path.join(model_dir, os.path.expanduser(args[name])))
+    return with_draft_path(args, model_dir)
+
+
+def with_draft_path(args: dict, base: str) -> dict:
+    """args with speculative_config's draft `model` path taken relative to base (a model's folder; the current
+    directory for a command line), as model paths are."""
+    spec = args.get("speculative_config")
+    if isinstance(spec, dict) and isinstance(spec.get("model"), str):
+        draft = os.path.normpath(os.path.join(base, os.path.expanduser(spec["model"])))
+        args = {**args, "speculative_config": {**spec, "model": draft}}
     return args
 
 
