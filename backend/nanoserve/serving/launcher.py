@@ -404,8 +404,9 @@ def make_model_repository(dest, checkpoint, models=None, template=None, rename=N
     for model in models or [p.name for p in template.iterdir() if p.is_dir()]:
         shutil.copytree(template / model, dest / (rename or {}).get(model, model), dirs_exist_ok=True)
     checkpoint = str(Path(checkpoint).resolve())
+    engine_args = with_draft_path(engine_args, os.getcwd())
     for model_json in dest.glob("*/*/model.json"):
         args = json.loads(model_json.read_text())
-        args.update({name: checkpoint for name in PATH_ARGS if name in args}, **with_draft_path(engine_args, os.getcwd()))
+        args.update({name: checkpoint for name in PATH_ARGS if name in args}, **engine_args)
         model_json.write_text(json.dumps(args, indent=2) + "\n")
     return dest
