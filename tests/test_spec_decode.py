@@ -4,6 +4,7 @@ logprobs inside accepted runs, streaming, abort, preemption, chunked prefill, pr
 verification rule against the target distribution on a small vocabulary."""
 import argparse
 import random
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.engine.model_runner import RunnerOutput, verify
 from nanoserve.engine.speculative import NgramProposer
+from nanoserve.engine.structured_output import Grammar
 from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.sampling_params import StructuredOutputsParams
 from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
 
 BLOCK = 8
@@ -279,15 +282,45 @@ def test_lora(tiny_models, lora_adapters, make_llm):
     assert outputs[0] == outputs[1]
 
 
-def test_structured_outputs_are_not_speculated(qwen3_dir, make_llm):
+def test_structured_outputs_are_speculated_within_their_grammar(qwen3_dir, make_llm):
+    """Proposals follow the grammar: ones it rejects are cut before verification, the mask applies at each
+    proposed position (the matcher rolled back after), and the output equals decoding without speculation."""
+    regex = {"regex": "[a-z]+( [a-z]+){1,20}"}
+    params = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex),
+              SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes yes yes", "no"]}),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    prompts = repetitive_prompts(seed=11)[:3]
+    base = generate(make_llm(qwen3_dir, kvcache_block_size=BLOCK), prompts, params)
     llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, speculative_config=NGRAM)
-    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"choice": ["yes yes yes", "no"]})
-    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = repetitive_prompts(seed=11)[:2]
-    base = make_llm(qwen3_dir, kvcache_block_size=BLOCK).generate(prompts, [params, free], use_tqdm=False)
-    got = llm.generate(prompts, [params, free], use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in base]
-    assert got[0].text in ("yes yes yes", "no")
+    # wrong at output positions 2 and 7: a token the grammar may allow (then the target rejects it) or not (cut)
+    llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={2, 7})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == base
+    assert re.fullmatch(regex["regex"], got[0].text) and got[1].text in ("yes yes yes", "no")
+    before = llm.stats()["spec_decode_num_accepted_tokens"]
+    assert generate(llm, prompts[:1], params[:1]) == base[:1]  # the regex request alone
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > before
+
+
+def test_a_grammar_cuts_proposals_it_rejects_and_is_left_as_it_was(qwen3_dir, make_llm):
+    llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK)
+    tokenizer = llm.engine.tokenizer
+    manager = llm.engine.structured_outputs
+    grammar = Grammar(manager.compile(StructuredOutputsParams(regex="ab(cd)+")))
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c", "d", "x")]
+    a, b, c, d, x = ids
+    assert grammar.valid_prefix([a, b, c, d, c]) == 5
+    assert grammar.valid_prefix([a, b, x, c]) == 2
+    assert grammar.valid_prefix([b]) == 0
+    eos = next(iter(llm.engine.output_processor.eos_token_ids))
+    assert grammar.valid_prefix([a, b, c, d, eos, a]) == 4  # the end is the target's to decide
+    assert not grammar.advance(a) and grammar.num_accepted == 1  # nothing of the above was kept
+    bitmask = manager.bitmask([grammar, None], np.array([2, 1]), np.array([b, c, 5]))
+    assert bitmask.rows == [0, 1, 2] and bitmask.bitmask.shape[0] == 5
+    allowed = [{j for j in range(manager.vocab_size) if bitmask.bitmask[row, j // 32] >> (j % 32) & 1}
+               for row in bitmask.rows]
+    assert allowed == [{b}, {c}, {d}]
+    assert not grammar.advance(b) and not grammar.advance(c)  # rolled back after filling
 
 
 def test_disable_by_batch_size(qwen3_dir, make_llm):

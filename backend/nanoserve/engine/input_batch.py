@@ -285,14 +285,10 @@ class InputBatch:
             meta.token_bitmask = self._bitmask(bitmask, device)
         return meta
 
-    def _bitmask(self, bitmask: TokenBitmask, device) -> tuple[torch.Tensor, list[int]]:
-        """The bitmask over the step's logits rows (a row with structured outputs proposes nothing: one row)."""
-        words, rows = bitmask.bitmask.numpy(), bitmask.rows
-        if self.num_draft_tokens is not None:
-            first_rows = np.cumsum(self.num_draft_tokens + 1) - (self.num_draft_tokens + 1)
-            words = words[np.repeat(np.arange(len(first_rows)), self.num_draft_tokens + 1)]
-            rows = first_rows[rows].tolist()
-        return _tensor(np.ascontiguousarray(words), device), rows
+    @staticmethod
+    def _bitmask(bitmask: TokenBitmask, device) -> tuple[torch.Tensor, list[int]]:
+        """The bitmask over the step's logits rows, on the device."""
+        return _tensor(bitmask.bitmask.numpy(), device), bitmask.rows
 
     def _set_sampling(self, meta: SamplingMetadata, slots, greedy, device) -> None:
         if greedy is not None and greedy.any():

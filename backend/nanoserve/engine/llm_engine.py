@@ -197,8 +197,11 @@ class LLMEngine:
         """The tokens the step's sampling rows with structured outputs may take (None when no request has them)."""
         if not self.output_processor.constrained:
             return None
-        return self.structured_outputs.bitmask([seq.grammar for seq in compress(self.scheduler.running,
-                                                                                 scheduled.samples)])
+        grammars = [seq.grammar for seq in compress(self.scheduler.running, scheduled.samples)]
+        if not len(scheduled.num_draft_tokens):
+            return self.structured_outputs.bitmask(grammars)
+        return self.structured_outputs.bitmask(grammars, scheduled.num_draft_tokens[scheduled.samples],
+                                               scheduled.draft_token_ids)
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:

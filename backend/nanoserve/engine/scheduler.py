@@ -172,9 +172,11 @@ class Scheduler:
                 break
             seq = self.running[row]
             limit = min(self.speculative.num_speculative_tokens, budget, int(max_num_tokens[row] - num_tokens[row]) - 1)
-            if limit <= 0 or seq.grammar is not None:  # structured outputs: no speculation
+            if limit <= 0 or (seq.grammar is not None and self.proposer is None):  # a draft model's: no grammar
                 continue
             draft = self.proposer.propose(seq.token_ids, limit) if self.proposer is not None else None
+            if seq.grammar is not None:  # structured outputs: the proposals the grammar allows
+                draft = draft[:seq.grammar.valid_prefix(draft)]
             drafts[row] = self._room_for(row, limit if draft is None else len(draft), out)
             draft_ids += draft[:drafts[row]] if draft is not None else []
             budget -= drafts[row]

@@ -6,6 +6,7 @@ import json
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -20,9 +21,9 @@ _LOG_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: .*? is false: )?
 
 @dataclass
 class TokenBitmask:
-    """The tokens that the constrained sampling rows of one step may take: bit j % 32 of bitmask[row, j // 32]
+    """The tokens that the constrained logits rows of one step may take: bit j % 32 of bitmask[row, j // 32]
     allows token j. Only `rows` are filled; the other rows are not constrained (and their bits are garbage)."""
-    bitmask: torch.Tensor  # [sampling rows, ceil(vocab_size / 32)] int32, on the host
+    bitmask: torch.Tensor  # [logits rows, ceil(vocab_size / 32)] int32, on the host
     rows: list[int]
 
 
@@ -39,6 +40,29 @@ class Grammar:
         only when nothing was allowed, e.g. min_tokens banning the EOS that alone could come next)."""
         self.num_accepted += 1
         return not self.matcher.accept_token(token_id) or self.matcher.is_terminated()
+
+    def valid_prefix(self, proposals: list[int]) -> int:
+        """How many of the proposed next tokens the grammar allows in a row, the matcher left as it was. A token
+        that would end the grammar (a stop token) is not counted: the target's own token decides the end."""
+        accepted, ends = 0, False
+        for token_id in proposals:
+            if not self.matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if self.matcher.is_terminated():
+                ends = True
+                break
+        self.matcher.rollback(accepted)
+        return accepted - ends
+
+    def fill_with_proposals(self, bitmask: torch.Tensor, first_row: int, proposals: list[int]) -> None:
+        """The bitmask rows first_row .. + len(proposals) of a row that verifies proposals (all allowed: see
+        valid_prefix): the tokens allowed after the request's output so far and after each proposal."""
+        for offset, token_id in enumerate(proposals):
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + offset)
+            self.matcher.accept_token(token_id)
+        self.matcher.fill_next_token_bitmask(bitmask, first_row + len(proposals))
+        self.matcher.rollback(len(proposals))
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Accept the output tokens the matcher has not seen (after a step failed half-way through its outputs)."""
@@ -76,13 +100,27 @@ class StructuredOutputManager:
             kind = "json schema" if spec.kind == "json" else spec.kind
             raise ValueError(f"structured_outputs: invalid {kind}: {message}") from None
 
-    def bitmask(self, grammars: list[Grammar | None]) -> TokenBitmask | None:
-        """The bitmask of a step whose sampling rows follow these grammars (None: that row is free)."""
-        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
-        if not rows:
+    def bitmask(self, grammars: list[Grammar | None], num_drafts: np.ndarray | None = None,
+                draft_token_ids: np.ndarray | None = None) -> TokenBitmask | None:
+        """The bitmask of a step whose sampling rows follow these grammars (None: that row is free), over its
+        logits rows: with speculative decoding (num_drafts per sampling row, their proposals in row order) a row
+        has 1 + its proposals' logits rows."""
+        if num_drafts is None:
+            num_drafts = np.zeros(len(grammars), dtype=np.int64)
+        groups = num_drafts + 1
+        firsts, starts = np.cumsum(groups) - groups, np.cumsum(num_drafts) - num_drafts
+        plain = [row for row, grammar in enumerate(grammars) if grammar is not None and not num_drafts[row]]
+        drafted = [row for row, grammar in enumerate(grammars) if grammar is not None and num_drafts[row]]
+        if not plain and not drafted:
             return None
-        bitmask = torch.empty(xgr.get_bitmask_shape(len(grammars), self.vocab_size), dtype=xgr.bitmask_dtype)
-        self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in rows], bitmask, rows)
+        bitmask = torch.empty(xgr.get_bitmask_shape(int(groups.sum()), self.vocab_size), dtype=xgr.bitmask_dtype)
+        rows = [int(firsts[row]) for row in plain]
+        if plain:
+            self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in plain], bitmask, rows)
+        for row in drafted:
+            proposals = draft_token_ids[starts[row]:starts[row] + num_drafts[row]].tolist()
+            grammars[row].fill_with_proposals(bitmask, int(firsts[row]), proposals)
+            rows += range(int(firsts[row]), int(firsts[row]) + len(proposals) + 1)
         return TokenBitmask(bitmask, rows)
 
 
