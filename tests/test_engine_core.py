@@ -204,3 +204,41 @@ def test_commands_arrive_as_they_were_sent():
                             seed=2 ** 64 - 1, logprobs=3)
     for command in (Add("r1", [1, 2, 3], params), Abort("r1")):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(command), type=Command) == command
+
+
+def step_outputs(engine, overlap: bool, abort_after: int) -> dict:
+    """REQUESTS (+ a grammar, a non-streamed and a scored request) stepped to the end, "endless" aborted after
+    abort_after steps: per request and sample, its outputs in order, each as a tuple of its fields."""
+    requests = {**REQUESTS,
+                "grammar": ("Once upon", SamplingParams(temperature=0, max_tokens=12,
+                                                        structured_outputs={"regex": "[a-z]+( [a-z]+)+"})),
+                "scored": ("The licence", SamplingParams(max_tokens=0, prompt_logprobs=1))}
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    engine.add_request("whole", "Héllo", SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=1),
+                       stream=False)
+    per_sample, steps, deferred = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step(overlap=overlap):
+            fields = tuple(getattr(output, name) for name in RequestOutput.__dataclass_fields__)
+            per_sample.setdefault((output.request_id, output.index), []).append(fields)
+        steps += 1
+        deferred = max(deferred, len(engine.output_processor.deferred))
+        if steps == abort_after:
+            engine.abort_request("endless")
+    # deferrable: greedy, seeded, ids, endless and the second sample of "samples" (not: a stop string, prompt
+    # logprobs, a grammar, not streamed)
+    assert (deferred >= 4) if overlap else not deferred
+    return per_sample
+
+
+@pytest.mark.parametrize("abort_after", [1, 5])
+def test_overlapped_outputs_are_the_step_by_step_ones(config, abort_after):
+    """The engine thread's steps make a stream's output while the next step runs: every request still gets the
+    same outputs in the same order, an abort's included."""
+    engine = LLMEngine(config)
+    try:
+        assert step_outputs(engine, True, abort_after) == step_outputs(engine, False, abort_after)
+        assert not engine.output_processor.deferred and engine.stats()["num_running"] == 0
+    finally:
+        engine.shutdown()

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, init_tp
@@ -35,10 +36,12 @@ class Executor:
             self.shutdown()
             raise
 
-    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput:
-        """One step on every rank; the bitmask of structured outputs only to rank 0, which samples."""
+    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+                while_running: Callable[[], None] | None = None) -> RunnerOutput:
+        """One step on every rank; the bitmask of structured outputs only to rank 0, which samples, and which calls
+        while_running once the step is launched (see ModelRunner.execute)."""
         self._send_workers("execute", (out,))
-        return self.runner.execute(out, bitmask)
+        return self.runner.execute(out, bitmask, while_running)
 
     def call(self, method: str, *args):
         """Run runner.<method>(*args) on every rank; returns rank 0's result."""

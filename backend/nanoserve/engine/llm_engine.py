@@ -153,6 +153,7 @@ class LLMEngine:
         """After step() raised: drop the suspects in request_ids (blocks freed, no output) and preempt every other
         running request by recompute, so step() can be retried without them. Returns the ids dropped. A step that
         failed before its results were applied is repeated: seeded and greedy requests get the same tokens."""
+        self.pending_outputs += self.output_processor.emit_deferred()  # not lost with the suspects' outputs
         dropped = [request_id for request_id in request_ids if self._abort(request_id)]
         self._reset_batch()
         # a request the failed step finished before it raised is gone from the output processor: it leaves too
@@ -169,17 +170,36 @@ class LLMEngine:
                 seq.grammar.catch_up(seq.output_token_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests) or bool(self.pending_outputs)
+        processor = self.output_processor
+        return bool(processor.requests) or bool(self.pending_outputs) or bool(processor.deferred)
 
     # ---- stepping -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """The abort notices queued since the last step (kept if the step raises), then this step's outputs."""
+    def step(self, overlap: bool = False) -> list[RequestOutput]:
+        """The abort notices queued since the last step (kept if the step raises), then this step's outputs.
+        overlap: a stream whose end its token ids decide gets its output from the next step, which makes it while
+        its own forward runs (on a GPU, the host's detokenization then overlaps the device's work)."""
         outputs: list[RequestOutput] = []
+        processor = self.output_processor
+        if overlap and not processor.requests:  # only deferred outputs are left
+            outputs = processor.emit_deferred()
+        else:
+            self._step(outputs, overlap)
+        if self.pending_outputs:
+            outputs, self.pending_outputs = self.pending_outputs + outputs, []
+        return outputs
+
+    def _step(self, outputs: list[RequestOutput], overlap: bool) -> None:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled))
+        processor = self.output_processor
+        emit_deferred = (lambda: outputs.extend(processor.emit_deferred())) if overlap else None
+        try:
+            sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled), emit_deferred)
+        except BaseException:
+            self.pending_outputs += outputs  # made before the step failed: they come with the next one
+            raise
         sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_tokens)
-        for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs):
+        for seq, reason in processor.process(sampled_seqs, sampled, outputs, defer=overlap):
             self.scheduler.finish(seq, reason)
         for seq in sampled_seqs.scored:
             outputs.append(self.output_processor.scored(seq))
@@ -189,9 +209,6 @@ class LLMEngine:
             self.num_generation_tokens -= self.output_processor.take_dropped_tokens()
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
-        if self.pending_outputs:
-            outputs, self.pending_outputs = self.pending_outputs + outputs, []
-        return outputs
 
     def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:
         """The tokens the step's sampling rows with structured outputs may take (None when no request has them)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -190,12 +191,16 @@ class ModelRunner:
         return scratch_bytes
 
     # ---- one step ----
-    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
+    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+                while_running: Callable[[], None] | None = None) -> RunnerOutput | None:
         """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
-        rank 0's RunnerOutput (None on the other ranks)."""
+        rank 0's RunnerOutput (None on the other ranks). while_running: host work to do once the forward is
+        launched, before its results are read (on a GPU it overlaps the device's work; on the CPU it follows)."""
         if self.simulated is not None:
-            return self.simulate(out, bitmask)
+            return self.simulate(out, bitmask, while_running)
         logits = self.run_model(out)
+        if while_running is not None:
+            while_running()
         return None if logits is None else self.sample(logits, bitmask)
 
     @torch.inference_mode()
@@ -230,7 +235,8 @@ class ModelRunner:
         return self.batch.prepare(out)
 
     @torch.inference_mode()
-    def simulate(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None) -> RunnerOutput | None:
+    def simulate(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+                 while_running: Callable[[], None] | None = None) -> RunnerOutput | None:
         """execute() on the simulated device: the same host work (inputs prepared and uploaded, then the sampling
         metadata while the device runs), random ids for the forward and the sampler's math."""
         if len(out.num_draft_tokens) and not len(out.draft_token_ids):  # a draft model's, but no model runs
@@ -243,6 +249,8 @@ class ModelRunner:
         if get_tp_rank():
             return None
         meta = self.batch.sampling_metadata(self.device, bitmask)
+        if while_running is not None:
+            while_running()
         token_ids = step.token_ids()
         out = RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
                            {row: ([], [], 1) for row in meta.logprob_rows})

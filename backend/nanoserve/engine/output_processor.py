@@ -44,7 +44,7 @@ class Samples:
 class RequestState:
     __slots__ = ("seq", "detokenizer", "stream", "stop_token_ids", "wants_logprobs", "needs_text", "watched",
                  "logprobs", "logprob_ranks", "cumulative_logprob", "request_id", "index", "samples",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "deferrable")
 
     def __init__(self, seq: Sequence, detokenizer: IncrementalDetokenizer, stream: bool, request_id: str,
                  index: int = 0, samples: Samples | None = None):
@@ -63,6 +63,8 @@ class RequestState:
         if params.prompt_logprobs is not None:
             prompt = seq.token_ids[1:seq.num_prompt_tokens]
             self.prompt_logprobs = PromptLogprobs(prompt, [None] * len(prompt), [0] * len(prompt))
+        # a stream whose end its token ids alone decide: its outputs can be made after the next step is launched
+        self.deferrable = stream and not detokenizer.stop and seq.grammar is None and self.prompt_logprobs is None
 
 
 _request_id = attrgetter("request_id")
@@ -80,6 +82,7 @@ class OutputProcessor:
         self.prompt_logprobs_due: dict[tuple[str, int], RequestState] = {}
         self._rows: tuple[list[Sequence], list[RequestState]] = ([], [])  # the last step's sequences and states
         self.num_dropped_tokens = 0  # tokens of accepted runs after a stop (speculative decoding)
+        self.deferred: list[tuple] = []  # rows whose outputs emit_deferred() makes (process(defer=True))
         self.may_stop = np.zeros(vocab_size, dtype=bool)  # ids that may stop some request: EOS, stop_token_ids
         self._mark_stop_ids(self.eos_token_ids)
         IncrementalDetokenizer(tokenizer)  # builds the tokenizer's byte table now, not at the first request
@@ -120,8 +123,10 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """The final outputs of an aborted request's unfinished sequences (what each generated, reason "abort");
-        none if it is unknown."""
-        outputs = []
+        none if it is unknown. The deferred outputs come first (they may be the request's own)."""
+        if request_id not in self.samples and request_id not in self.requests:
+            return []
+        outputs = self.emit_deferred()
         for sequence_id in self.sequence_ids(request_id):
             state = self.requests.pop(sequence_id, None)
             if state is None:
@@ -173,10 +178,11 @@ class OutputProcessor:
                 whole, end = state.prompt_logprobs, start - 1 + len(chunk.token_ids)
                 whole.logprobs[start - 1:end], whole.ranks[start - 1:end] = chunk.logprobs, chunk.ranks
 
-    def process(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput,
-                outputs: list[RequestOutput]) -> list[tuple[Sequence, str]]:
+    def process(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput, outputs: list[RequestOutput],
+                defer: bool = False) -> list[tuple[Sequence, str]]:
         """After the scheduler appended the sampled tokens: add this step's RequestOutputs to `outputs`; returns
-        the sequences that finish, with their reasons. The loop body runs for every streamed request at every
+        the sequences that finish, with their reasons. defer: the outputs of deferrable streams are left for
+        emit_deferred() (their ends are decided now). The loop body runs for every streamed request at every
         step, so its common path is written out here rather than split into calls."""
         if sampled.prompt_logprobs:
             self._add_prompt_logprobs(sampled.prompt_logprobs)
@@ -196,10 +202,14 @@ class OutputProcessor:
             rows = compress(rows, looked_at.tolist())
         finished = []
         runs = sampled.num_tokens is not None  # rows verified proposals: a sequence may have several tokens
+        defer = defer and not runs
         for state, token_id, logprob, may_stop, row in rows:
             seq = state.seq
             if runs and seq.request_id not in self.requests:
                 continue  # it stopped at an earlier token of its run
+            if defer and state.deferrable:
+                self._defer(state, token_id, logprob, may_stop, sampled, row, finished)
+                continue
             new_logprobs = new_ranks = []
             if state.watched:  # a request not looked at every step has no cumulative logprob (None in its output)
                 state.cumulative_logprob += logprob
@@ -237,6 +247,40 @@ class OutputProcessor:
         if finished:
             self._rows = [], []  # a finished request's state is not kept alive
         return finished
+
+    def _defer(self, state: RequestState, token_id: int, logprob: float, may_stop: bool, sampled: RunnerOutput,
+               row: int, finished: list[tuple[Sequence, str]]) -> None:
+        """Decide now whether a deferrable stream ends here; leave its output for emit_deferred()."""
+        seq, reason, done = state.seq, None, False
+        num_tokens = len(seq.token_ids)
+        if may_stop:
+            reason = self._finish_reason(state, token_id, num_tokens)
+            if reason is not None:
+                finished.append((seq, reason))
+                del self.requests[seq.request_id]
+                self.watched.discard(seq.request_id)
+                done = self._sequence_done(state)
+                self._rows = [], []
+        top = sampled.top_logprobs[row] if state.wants_logprobs else None
+        self.deferred.append((state, token_id, logprob, top, num_tokens - seq.num_prompt_tokens, reason, done))
+
+    def emit_deferred(self) -> list[RequestOutput]:
+        """The outputs process(defer=True) left, in order: detokenized and logprobs made now (after the next step
+        is launched, so that this work overlaps it)."""
+        outputs, deferred, self.deferred = [], self.deferred, []
+        for state, token_id, logprob, top, num_output_tokens, reason, done in deferred:
+            new_logprobs = new_ranks = []
+            state.cumulative_logprob += logprob
+            if top is not None:
+                new_logprobs, new_ranks = self._logprob_entry(state, token_id, logprob, top)
+            detokenizer, seq = state.detokenizer, state.seq
+            delta = detokenizer.add_token(token_id)
+            if reason is not None:
+                delta += detokenizer.flush()
+            outputs.append(RequestOutput(state.request_id, [token_id], delta, done, reason, seq.num_prompt_tokens,
+                                         num_output_tokens, state.cumulative_logprob, new_logprobs,
+                                         seq.num_cached_tokens, new_ranks, state.index))
+        return outputs
 
     def _states(self, seqs: list[Sequence]) -> list[RequestState]:
         """The states of a step's sequences, in row order; kept until one of them finishes, as the next steps mostly

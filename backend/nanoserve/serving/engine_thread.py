@@ -107,7 +107,7 @@ class EngineThread:
     def _step(self, result: StepResult) -> None:
         in_flight = self.engine.output_processor.request_ids()
         try:
-            result.outputs = self.engine.step()
+            result.outputs = self.engine.step(overlap=True)
         except Exception:
             logger.error("nanoserve engine step failed; retrying it without the %d request(s) admitted since the "
                          "last step that succeeded:\n%s", len(self._admitted), traceback.format_exc())
@@ -123,7 +123,7 @@ class EngineThread:
         result.failed += [(request_id, "internal error: the engine step failed (see the server log)")
                           for request_id in sorted(lost)]
         try:
-            result.outputs = self.engine.step()
+            result.outputs = self.engine.step(overlap=True)
         except Exception:
             logger.error("nanoserve engine step failed again after recovery; the engine has failed:\n%s",
                          traceback.format_exc())
