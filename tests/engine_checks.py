@@ -56,3 +56,47 @@ def has_unfinished(scheduler) -> bool:
 
 def num_sampled(out) -> int:
     return int(out.samples.sum())
+
+
+def check_stops_inside_a_run(llm, prompt, reference) -> None:
+    """A stop token, max_tokens and a stop string that fall inside an accepted run of proposals end the request
+    there, as without speculation (reference: the greedy output of prompt), and the run's rest is not counted."""
+    from nanoserve import SamplingParams
+
+    stop_token = reference.token_ids[4]
+    generated = llm.stats()["generation_tokens"]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_token]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference.token_ids[:reference.token_ids.index(stop_token) + 1]
+    assert llm.stats()["generation_tokens"] - generated == len(out.token_ids)  # the run's rest is not counted
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and out.token_ids == reference.token_ids[:5]
+    text = llm.tokenizer.decode(reference.token_ids[:10])
+    stop_text = text[len(text) // 2:][:2]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.index(stop_text)]
+
+
+def stream_and_abort_the_third(engine, prompts, params, base) -> int:
+    """Stream three prompts (s0, s1, s2) with speculation, aborting s2 after 3 steps: one output per request and
+    step, each counting the request's tokens so far; s0 and s1 equal base, s2 a prefix of it; every block is free
+    at the end. Returns the number of steps."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", prompt, params, stream=True)
+    tokens = {f"s{i}": [] for i in range(3)}
+    steps = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        assert len({out.request_id for out in outputs}) == len(outputs), "one output per request and step"
+        for out in outputs:
+            tokens[out.request_id] += out.new_token_ids
+            assert out.num_output_tokens == len(tokens[out.request_id])
+        steps += 1
+        if steps == 3:
+            assert engine.abort_request("s2")
+    assert tokens["s0"] == base[0] and tokens["s1"] == base[1]
+    assert tokens["s2"] == base[2][:len(tokens["s2"])] and len(tokens["s2"]) < len(base[2])
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    return steps

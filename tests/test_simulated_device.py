@@ -112,3 +112,16 @@ def test_bench_ab_reads_the_device_shares_bench_serving_prints(capsys, monkeypat
     bench_serving.print_device_shares(rounds, device_bound, args)
     shares = bench_ab.parse("simulated", capsys.readouterr().out)
     assert shares == {"served / device-bound": 0.6, "in-process / device-bound": 0.8}  # the medians
+
+
+def test_bench_overlap_runs_both_ways_on_the_simulated_device(capsys, monkeypatch, qwen3_dir):
+    from client import bench_overlap
+
+    monkeypatch.setenv(ENV_STEP_MS, "1")  # (restored after the test: the bench sets it for its engine)
+    bench_overlap.main(["--model", qwen3_dir, "--simulated-device-ms", "1", "--rows", "3", "--output-len", "5",
+                        "--rounds", "2"])
+    out = capsys.readouterr().out
+    rounds = [line.split(":")[0] for line in out.splitlines() if line.startswith("round ")]
+    assert sorted(rounds) == ["round 0 overlapped", "round 0 step by step", "round 1 overlapped",
+                              "round 1 step by step"]
+    assert "overlapped / step by step: median" in out

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from engine_checks import check_block_invariants
+from engine_checks import check_block_invariants, check_stops_inside_a_run, stream_and_abort_the_third
 from hf_reference import hf_greedy, hf_logprobs
 
 from nanoserve import SamplingParams
@@ -179,20 +179,7 @@ def test_stop_token_max_tokens_and_stop_string_inside_a_run(qwen3_dir, make_llm)
     llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, speculative_config={**NGRAM, "num_speculative_tokens": 6})
     reference = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     llm.engine.scheduler.proposer = ReplayProposer([prompt], [reference.token_ids])
-    stop_token = reference.token_ids[4]
-    generated = llm.stats()["generation_tokens"]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_token]),
-                       use_tqdm=False)[0]
-    assert out.finish_reason == "stop"
-    assert out.token_ids == reference.token_ids[:reference.token_ids.index(stop_token) + 1]
-    assert llm.stats()["generation_tokens"] - generated == len(out.token_ids)  # the run's rest is not counted
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
-    assert out.finish_reason == "length" and out.token_ids == reference.token_ids[:5]
-    text = llm.tokenizer.decode(reference.token_ids[:10])
-    stop_text = text[len(text) // 2:][:2]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop_text], ignore_eos=True),
-                       use_tqdm=False)[0]
-    assert out.finish_reason == "stop" and out.text == reference.text[:reference.text.index(stop_text)]
+    check_stops_inside_a_run(llm, prompt, reference)
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
@@ -201,25 +188,7 @@ def test_streamed_outputs_concatenate_and_abort_frees_blocks(qwen3_dir, make_llm
     llm = make_llm(qwen3_dir, kvcache_block_size=BLOCK, speculative_config=NGRAM)
     base = generate(llm, prompts, GREEDY)
     llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={7})
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"s{i}", prompt, GREEDY, stream=True)
-    tokens, counts = {f"s{i}": [] for i in range(3)}, {f"s{i}": [] for i in range(3)}
-    steps = 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        assert len({out.request_id for out in outputs}) == len(outputs), "one output per request and step"
-        for out in outputs:
-            tokens[out.request_id] += out.new_token_ids
-            counts[out.request_id].append(out.num_output_tokens)
-            assert out.num_output_tokens == len(tokens[out.request_id])
-        steps += 1
-        if steps == 3:
-            assert engine.abort_request("s2")
-    assert tokens["s0"] == base[0] and tokens["s1"] == base[1]
-    assert tokens["s2"] == base[2][:len(tokens["s2"])] and len(tokens["s2"]) < len(base[2])
-    assert steps < GREEDY.max_tokens  # runs of several tokens per step
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+    assert stream_and_abort_the_third(llm.engine, prompts, GREEDY, base) < GREEDY.max_tokens  # runs of tokens
 
 
 # ---- the scheduling features ------------------------------------------------------------------------------------

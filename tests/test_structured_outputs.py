@@ -151,7 +151,7 @@ def test_a_step_that_fails_in_the_output_processor_is_caught_up(llm):
         engine.step()
     process = engine.output_processor.process
 
-    def fail_once(*args):
+    def fail_once(*args, **kwargs):
         engine.output_processor.process = process
         raise RuntimeError("injected")
 

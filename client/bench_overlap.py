@@ -1,0 +1,65 @@
+"""The engine's steps with and without overlap (LLMEngine.step(overlap=True), what the engine thread of a served
+engine runs): the same streamed workload, alternating, on the simulated device, so that the host work that
+overlapping moves beside the device's step shows. Prints each run's share of the device-bound rate and the
+median ratio overlapped / step by step.
+
+    OMP_NUM_THREADS=1 python client/bench_overlap.py --simulated-device-ms 2 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a script: make `client` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanoserve.engine.simulated_device import ENV_STEP_MS  # noqa: E402
+
+
+def run(engine, overlap: bool, rows: int, input_len: int, output_len: int, name: str) -> float:
+    """Seconds to stream rows requests of output_len tokens each, all at once."""
+    from nanoserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    for index in range(rows):
+        engine.add_request(f"{name}-{index}", list(range(10, 10 + input_len)), params)
+    started = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step(overlap=overlap)
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="checkpoint (default: the tiny test model)")
+    parser.add_argument("--simulated-device-ms", type=float, default=2.0)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    os.environ[ENV_STEP_MS] = str(args.simulated_device_ms)
+    from nanoserve.engine.llm_engine import LLMEngine
+    from nanoserve.serving.launcher import tiny_model
+
+    engine = LLMEngine.from_engine_args(args.model or str(tiny_model()), device="cpu", cpu_kvcache_space_gib=0.5)
+    device_bound = args.rows * 1000 / args.simulated_device_ms
+    shares = {False: [], True: []}
+    for round_ in range(args.rounds):
+        for overlap in ((False, True) if round_ % 2 == 0 else (True, False)):
+            seconds = run(engine, overlap, args.rows, args.input_len, args.output_len, f"{round_}-{overlap}")
+            shares[overlap].append(args.rows * args.output_len / seconds / device_bound)
+            print(f"round {round_} {'overlapped' if overlap else 'step by step'}: {shares[overlap][-1]:.3f} of "
+                  "the device-bound rate", flush=True)
+    engine.shutdown()
+    ratios = [on / off for on, off in zip(shares[True], shares[False])]
+    print(f"overlapped / step by step: median {statistics.median(ratios):.3f} "
+          f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
