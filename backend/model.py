@@ -33,6 +33,7 @@ from nanoserve.serving import request as contract
 from nanoserve.serving.control import Drain, control_event
 from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
 from nanoserve.serving.engine_core import EngineCoreClient
+from nanoserve.serving.engine_thread import EngineInProcess
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
                                           reports_vllm_metrics)
@@ -108,6 +109,7 @@ class TritonPythonModel:
         self.mode = _mode(model_config)
         send_budget = _send_budget(model_config)  # checked before the engine loads
         every_step = optional_bool("send_every_step", _parameter(model_config, "send_every_step"))
+        core_process = optional_bool("engine_core_process", _parameter(model_config, "engine_core_process"))
         _, _, prompt_field, make_formatter, ended_arrays = MODES[self.mode]
         self.name = args["model_name"]
         model_json = read_model_json(args["model_repository"], args["model_version"])
@@ -124,8 +126,9 @@ class TritonPythonModel:
         self.max_model_len = config.max_model_len
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
+        engine = EngineCoreClient if core_process else EngineInProcess
         try:
-            self.engine_core = EngineCoreClient(config, tokenizer, self.events, adapters)
+            self.engine_core = engine(config, tokenizer, self.events, adapters)
         except RuntimeError as e:
             raise pb_utils.TritonModelException(str(e)) from None
         # The stub's heap is now torch and transformers: objects that live as long as it does. Frozen, a full

@@ -1,4 +1,4 @@
-"""Faults through a real tritonserver whose engine core has an injected fault (the real sampler, raising for marked
+"""Faults through a real tritonserver whose engine has an injected fault (the real sampler, raising for marked
 requests): a bad request fails alone and the other streams finish with the same text; an engine that keeps
 failing unloads its model (not ready), its requests get UNAVAILABLE, and a reload serves again; on SIGTERM a
 stream the exit timeout would cut ends with an error event. Explicit model control, as the health check needs.
@@ -22,28 +22,10 @@ MODEL = "nanoserve"
 MAX_MODEL_LEN = 131072  # an unbounded stream runs for minutes: it is still running when the test acts on it
 EXIT_TIMEOUT = 8
 FAULT_SEED, LATE_SEED = 666, 777
-HOOK = '''
+HOOK = f'''
 
-# ---- injected by tests/test_fault_tolerance.py: the engine core process starts from faulty_core.py ----
-import os as _os
-import sys as _sys
-
-_sys.path.insert(0, _os.path.dirname(__file__))  # the core process (spawned) gets the stub's sys.path
-import faulty_core as _faulty_core
-from nanoserve.serving import engine_core as _engine_core
-
-_engine_core.core_main = _faulty_core.core_main
-'''
-FAULTY_CORE = f'''"""The engine core process with the real sampler failing for marked requests."""
+# ---- injected by tests/test_fault_tolerance.py: the real sampler, failing for marked requests ----
 from nanoserve.layers import sampler as _sampler_module
-from nanoserve.serving import engine_core as _engine_core
-
-_real_core_main = _engine_core.core_main
-
-
-def core_main(*args):
-    return _real_core_main(*args)
-
 
 _real_call, _late_calls = _sampler_module.Sampler.__call__, []
 
@@ -75,7 +57,6 @@ def server(tmp_path_factory):
     config = repo / MODEL / "config.pbtxt"
     config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
     (repo / MODEL / "1" / "model.py").write_text(BACKEND_MODEL.read_text() + HOOK)
-    (repo / MODEL / "1" / "faulty_core.py").write_text(FAULTY_CORE)
     with running_server(repo, tmp, [MODEL], exit_timeout_secs=EXIT_TIMEOUT,
                         extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"]) as server:
         yield server

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from serving_utils import BACKEND_MODEL, TIMEOUT, collect, open_stream, process_name, stream
+from serving_utils import BACKEND_MODEL, TIMEOUT, add_parameters, collect, open_stream, process_name, stream
 from triton_server import (LOAD_TIMEOUT, child_pid, free_ports, group_members, http_ready, kill_group,
                            running_server, shm_regions, tiny_repository)
 
@@ -94,6 +94,8 @@ def test_a_killed_or_hung_stub_or_core_fails_its_streams_and_the_model_serves_ag
     """The model's name comes from the repository (--model-repository): the supervisor asks the models whose
     backend is nanoserve in text mode."""
     repository = tiny_repository(tmp_path / "model_repository", qwen3_dir)
+    if target == "core":
+        add_parameters(repository / "nanoserve" / "config.pbtxt", {"engine_core_process": "true"})
     ports = free_ports(3)
     cli = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", "--model-repository", str(repository),
                             "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port",

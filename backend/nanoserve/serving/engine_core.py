@@ -24,9 +24,9 @@ import traceback
 import msgspec
 
 from nanoserve.engine.executor import use_a_python_executable
-from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
+from nanoserve.engine.tokenize import max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.engine_thread import EngineThread, StepResult
+from nanoserve.serving.engine_thread import EngineThread, StepResult, tokenized
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -141,13 +141,9 @@ class EngineCoreClient:
     def add(self, request_id: str, prompt, sampling_params: SamplingParams) -> None:
         """Tokenize a text prompt here, on the caller's thread (a long prompt stalls only its own request), and
         queue the request in the core; one that cannot fit is rejected with a StepResult of its own."""
-        try:
-            if isinstance(prompt, str):
-                prompt = encode_prompt_text(self._tokenizer, prompt, self.max_prompt_bytes)
-        except ValueError as e:
-            self.results.put(StepResult(rejected=[(request_id, str(e))]))
-            return
-        self._send(Add(request_id, list(prompt), sampling_params))
+        prompt_ids = tokenized(self._tokenizer, request_id, prompt, self.max_prompt_bytes, self.results)
+        if prompt_ids is not None:
+            self._send(Add(request_id, prompt_ids, sampling_params))
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
