@@ -15,9 +15,10 @@ or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode
 `send_budget` and `send_every_step` choose how streams are sent, `REPORT_CUSTOM_METRICS` adds the vllm:* metrics
 (docs/serving.md).
 
-execute() only parses, validates, tokenizes and enqueues. The engine core process (serving/engine_core.py) owns the
-LLMEngine and steps the continuous batch; the response thread sends every response, sweeps for cancelled requests
-and updates the metrics.
+execute() only parses, validates, tokenizes and enqueues. The engine thread owns the LLMEngine and steps the
+continuous batch, in this process or (config.pbtxt parameter `engine_core_process`) in an engine core process of
+its own (serving/engine_core.py); the response thread sends every response, sweeps for cancelled requests and
+updates the metrics.
 """
 import faulthandler
 import gc
@@ -118,21 +119,18 @@ class TritonPythonModel:
         vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
         adapters = lora_modules(args["model_repository"], args["model_version"])  # multi_lora.json
 
-        from transformers import AutoTokenizer  # heavy (torch): after the cheap checks
-
-        from nanoserve.config import EngineConfig
+        from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
 
         config = EngineConfig.from_kwargs(**engine_args)
         self.max_model_len = config.max_model_len
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
         engine = EngineCoreClient if core_process else EngineInProcess
         try:
-            self.engine_core = engine(config, tokenizer, self.events, adapters)
+            self.engine_core = engine(config, self.events, adapters)
         except RuntimeError as e:
             raise pb_utils.TritonModelException(str(e)) from None
-        # The stub's heap is now torch and transformers: objects that live as long as it does. Frozen, a full
-        # collection (set off by the response thread's allocations) skips them instead of walking them all.
+        # The stub's heap is now torch, transformers (and the model, in this process): long-lived objects. Frozen,
+        # a full collection (set off by the response thread's allocations) skips them instead of walking them all.
         gc.collect()
         gc.freeze()
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
@@ -142,7 +140,7 @@ class TritonPythonModel:
         self.metrics.publish()
         # one response per step (send_every_step), or as soon as possible (send_budget 1): a step whose text is
         # held back (an incomplete character, a possible stop string) sends "", as vllm_backend does
-        formatter = make_formatter(tokenizer, send_empty=every_step or send_budget == 1)
+        formatter = make_formatter(self.engine_core.tokenizer, send_empty=every_step or send_budget == 1)
         server_args = ServerArgs.of_parent()
         self.may_unload = server_args is not None and server_args.explicit_model_control
         self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()

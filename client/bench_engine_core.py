@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     thread_results, core_results = queue.Queue(), queue.Queue()
     engine = LLMEngine(config)
     sides = {"thread": (EngineThread(engine, thread_results).start(), thread_results),
-             "core": (EngineCoreClient(config, tokenizer, core_results), core_results)}
+             "core": (EngineCoreClient(config, core_results), core_results)}
     rates = {name: [] for name in sides}
     device_bound = args.concurrency * 1000 / args.simulated_device_ms if args.simulated_device_ms else None
     try:

@@ -96,7 +96,7 @@ def test_the_core_process_serves_what_the_engine_serves_in_process(config, token
         thread.stop()
         engine.shutdown()
     results = queue.Queue()
-    client = EngineCoreClient(config, tokenizer, results)
+    client = EngineCoreClient(config, results)
     try:
         assert client.initial_stats["num_total_blocks"] == 64
         in_core = serve(client, results, tokenizer)
@@ -113,7 +113,7 @@ def test_the_core_process_serves_what_the_engine_serves_in_process(config, token
 
 def test_a_prompt_that_cannot_fit_is_rejected_in_the_stub(config, tokenizer):
     results = queue.Queue()
-    client = EngineCoreClient(config, tokenizer, results)
+    client = EngineCoreClient(config, results)
     try:
         client.add("huge", "é" * 2_500_000, SamplingParams())
         result = results.get(timeout=TIMEOUT)
@@ -130,12 +130,12 @@ def test_a_prompt_that_cannot_fit_is_rejected_in_the_stub(config, tokenizer):
 def test_a_core_that_cannot_load_says_why(qwen3_dir, tokenizer, tmp_path):
     config = EngineConfig.from_kwargs(qwen3_dir, **ENGINE_ARGS, enable_lora=True)
     with pytest.raises(RuntimeError, match=r"^LoRA adapter 'missing': "):
-        EngineCoreClient(config, tokenizer, queue.Queue(), adapters={"missing": str(tmp_path / "nothing")})
+        EngineCoreClient(config, queue.Queue(), adapters={"missing": str(tmp_path / "nothing")})
 
 
 def test_a_killed_core_is_a_failure_at_once(config, tokenizer):
     results = queue.Queue()
-    client = EngineCoreClient(config, tokenizer, results)
+    client = EngineCoreClient(config, results)
     try:
         client.add("r", "The licence grants you", SamplingParams(max_tokens=200, ignore_eos=True))
         results.get(timeout=TIMEOUT)
@@ -155,7 +155,7 @@ CHILD = textwrap.dedent("""
     from nanoserve.serving.engine_core import EngineCoreClient
     if __name__ == "__main__":
         config = EngineConfig.from_kwargs(sys.argv[1], device="cpu", num_kvcache_blocks=16)
-        client = EngineCoreClient(config, AutoTokenizer.from_pretrained(config.tokenizer), queue.Queue())
+        client = EngineCoreClient(config, queue.Queue())
         print(client.process.pid, flush=True)
         time.sleep(600)
 """)

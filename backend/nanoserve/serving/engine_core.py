@@ -120,10 +120,13 @@ class EngineCoreClient:
     """Starts the core process and talks to it; the stub's replacement for an EngineThread of its own. StepResults
     go to `results` in order, with those of requests rejected here (a prompt that cannot fit)."""
 
-    def __init__(self, config, tokenizer, results: queue.Queue, adapters: dict[str, str] | None = None):
+    def __init__(self, config, results: queue.Queue, adapters: dict[str, str] | None = None):
+        from transformers import AutoTokenizer
+
         self.results = results
-        self._tokenizer = copy.deepcopy(tokenizer)  # this one is the caller's (execute()'s) thread's
-        self.max_prompt_bytes = max_prompt_bytes(tokenizer, config.max_model_len)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)  # (for the response thread's formatter)
+        self._tokenizer = copy.deepcopy(self.tokenizer)  # this one is the caller's (execute()'s) thread's
+        self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, config.max_model_len)
         self._failure: str | None = None
         self._stopping = False  # stop() was called: the core's end is no failure
         self._send_lock = threading.Lock()  # execute() adds while the response thread aborts

@@ -167,10 +167,11 @@ class EngineInProcess:
     """The engine on an EngineThread of the stub's own process, with EngineCoreClient's interface: the stub's
     default (config.pbtxt parameter engine_core_process)."""
 
-    def __init__(self, config, tokenizer, results: queue.Queue, adapters: dict[str, str] | None = None):
+    def __init__(self, config, results: queue.Queue, adapters: dict[str, str] | None = None):
         from nanoserve.engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer  # (for the response thread's formatter)
         try:
             for name, path in (adapters or {}).items():
                 self.engine.add_lora(name, path)
@@ -178,7 +179,7 @@ class EngineInProcess:
             self.engine.shutdown()
             raise RuntimeError(str(e)) from None
         self.results = results
-        self._tokenizer = copy.deepcopy(tokenizer)  # this one is the caller's (execute()'s) thread's
+        self._tokenizer = copy.deepcopy(self.tokenizer)  # this one is the caller's (execute()'s) thread's
         self.initial_stats = self.engine.stats()
         self._thread = EngineThread(self.engine, results).start()
 
