@@ -357,7 +357,7 @@ def measure_decode(runner, out, seq_lens: list[int], iters: int) -> DecodeResult
         forward_eager = device_ms(lambda: runner.model(input_ids, positions, runner.backend.build(batch)), iters,
                                   device)
         graphs, forward_graph = runner.graphs, None
-        if graphs is not None and graphs.can_run(len(seq_lens), block_tables.shape[1], True):
+        if graphs is not None and graphs.can_run(len(seq_lens), block_tables.shape[1], 1):
             forward_graph = device_ms(lambda: graphs.run(input_ids, positions, batch), iters, device)
         hidden = runner.model(input_ids, positions, runner.backend.build(batch))
         logits = device_ms(lambda: runner.model.compute_logits(hidden).float(), iters, device)

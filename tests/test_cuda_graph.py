@@ -86,6 +86,8 @@ def fake_capture(graphs: CUDAGraphRunner, monkeypatch) -> FakeCuda:
     graphs.capture()
     for bucket, graph in graphs.graphs.items():
         graph.body = functools.partial(graphs._forward, bucket)
+    for bucket, graph in graphs.verify_graphs.items():
+        graph.body = functools.partial(graphs._forward, bucket, graphs.verify_len)
     return cuda
 
 
@@ -293,16 +295,21 @@ def _caller() -> str:
 
 
 def _graph_forward_host_syncs(model_dir: str, backend: str) -> list[str]:
-    """The captured decode forward at bucket 4 (2 real rows, 2 padded) under the detector."""
+    """The captured decode forward at bucket 4 (2 real rows, 2 padded), then the verify forward at bucket 2
+    (3 query tokens and 3 padded token rows), under the detector."""
     runner = make_runner(model_dir, attention_backend=backend, max_num_seqs=4)
-    graphs = graph_runner(runner, 4)
+    graphs = CUDAGraphRunner(runner.model, runner.backend, 4, runner.max_blocks_per_seq, MAX_MODEL_LEN,
+                             runner.config.hf_config.hidden_size, runner.dtype, runner.device, verify_len=3,
+                             max_verify_seqs=2)
     graphs.input_ids[:2] = torch.tensor([5, 6])
     graphs.positions[:2] = torch.tensor([4, 0])
     graphs.slot_mapping[:2] = torch.tensor([4, 8])
     graphs.seq_lens[:2] = torch.tensor([5, 1], dtype=torch.int32)
     graphs.block_tables[:2, :2] = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32)
+    graphs.verify_query_start_loc[:3] = torch.tensor([0, 2, 3])
     with HostSyncDetector() as detector, torch.inference_mode():
         graphs._forward(4)
+        graphs._forward(2, 3)
     runner.shutdown()
     return detector.calls
 
@@ -335,3 +342,89 @@ def test_engine_graphs_replay_and_match_hf(qwen3_dir, make_llm, monkeypatch):
     for prompt, param, out in zip(prompts, params, outputs):
         assert out.token_ids == hf_greedy(qwen3_dir, prompt, param.max_tokens)
     assert len(set(replays)) >= 3, replays  # decode batches of several sizes replayed
+
+
+# ---- speculative verify steps ----
+def test_verify_graphs_are_captured_while_speculation_proposes(tiny_models, monkeypatch):
+    """A verify graph for each bucket below disable_by_batch_size, 1 + num_speculative_tokens query tokens per
+    sequence; the graph with the most token rows first, so every other fits in its pool."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 5}
+    runner = make_runner(tiny_models["qwen3"], attention_backend="triton", max_num_seqs=8, enforce_eager=True,
+                         speculative_config=spec)
+    graphs = runner.graph_runner()
+    cuda = fake_capture(graphs, monkeypatch)
+    assert sorted(graphs.graphs) == [1, 2, 4, 8] and sorted(graphs.verify_graphs) == [1, 2, 4]
+    assert graphs.input_ids.shape[0] == 4 * 4  # the largest verify graph: 4 sequences of 4 tokens
+    captured = [entry[1] for entry in cuda.log if entry[0] == "forward" and entry[2]]
+    assert captured == [16, 8, 8, 4, 4, 2, 1]  # token rows: verify 4x4, decode 8, verify 2x4, decode 4, ...
+    assert runner.graph_runner().can_run(4, 2, 4) and not runner.graph_runner().can_run(5, 2, 4)
+    assert not graphs.can_run(2, 2, 5)  # more query tokens than a verify step has: a prefill chunk
+    no_spec = make_runner(tiny_models["qwen3"], attention_backend="triton", max_num_seqs=8).graph_runner()
+    assert no_spec.verify_buckets == [] and not no_spec.can_run(2, 2, 2)
+    runner.shutdown()
+
+
+def test_verify_replay_matches_hf_and_repads_rows(tiny_models, monkeypatch):
+    """Steps whose sequences have 1 to 3 new tokens each (a verify step's shape; here prompt chunks beside
+    decodes) replay the verify graphs, a decode-only step the decode graph: the sampled rows' logits equal HF's,
+    and rows and tokens of a bigger earlier step become padding again."""
+    use_triton_kernels(monkeypatch)
+    model_dir = tiny_models["qwen3"]
+    runner = make_runner(model_dir, attention_backend="triton", max_num_seqs=4, enforce_eager=True)
+    graphs = CUDAGraphRunner(runner.model, runner.backend, 4, runner.max_blocks_per_seq, MAX_MODEL_LEN,
+                             runner.config.hf_config.hidden_size, runner.dtype, runner.device, verify_len=3,
+                             max_verify_seqs=4)
+    capture(graphs, monkeypatch)
+    graphs.block_tables.fill_(1 << 30)  # stale ids that a padded row or an unused column must never follow
+    runner.graphs = graphs
+    replays = spy_replays(graphs, monkeypatch)
+    blocks = Blocks(96, 4, seed=8)
+    a, b, c, d, e = (make_seq(f"v{i}", random_ids(n, seed=80 + i)) for i, n in enumerate((9, 4, 6, 2, 3)))
+    steps = [[(a, 0, 3), (b, 0, 3), (c, 0, 3), (d, 0, 2)],  # prompt chunks; d's prompt ends: d samples
+             [(a, 3, 3), (b, 3, 1), (c, 3, 3), d],  # b's and c's prompts end
+             [(a, 6, 3), b, c, d],  # a's last chunk beside three decodes
+             [b, c],  # decode only: the decode graph
+             [a, (e, 0, 3)]]  # the rows of b, c and d become padding again
+    for step in steps:
+        items = [item if isinstance(item, tuple) else (item, item.num_tokens - 1, 1) for item in step]
+        logits = run_step(runner, blocks, items)
+        check_rows(model_dir, logits, blocks.sampled)
+        for seq in blocks.sampled:
+            greedy_next(model_dir, seq)
+        num_tokens = sum(n for _, _, n in items)
+        assert (graphs.slot_mapping[num_tokens:] == PAD_SLOT).all()
+        assert (graphs.seq_lens[len(items):] == PAD_SEQ_LEN).all()
+        if max(n for _, _, n in items) > 1:
+            assert (graphs.verify_query_start_loc[len(items):] == num_tokens).all()  # padded sequences: empty
+    assert replays == [11, 8, 6, 2, 4]
+    assert [len(s.token_ids) for s in (a, b, c, d, e)] == [11, 7, 9, 5, 4]  # every sampled row was checked
+    runner.shutdown()
+
+
+def test_engine_verify_steps_replay_and_equal_no_speculation(qwen3_dir, make_llm, monkeypatch):
+    """The engine with n-gram speculation and its graphs (fake ones on the CPU, whose replay runs the captured
+    forward eagerly): verify steps replay the verify graphs, and the greedy tokens equal those without
+    speculation."""
+    from test_spec_decode import NGRAM, ReplayProposer, generate, repetitive_prompts
+
+    from nanoserve import SamplingParams
+
+    use_triton_kernels(monkeypatch)
+    prompts = repetitive_prompts(seed=21)[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    base = generate(make_llm(qwen3_dir, kvcache_block_size=8), prompts, params)
+    llm = make_llm(qwen3_dir, kvcache_block_size=8, attention_backend="triton", num_kvcache_blocks=32,
+                   max_num_seqs=4, speculative_config=NGRAM)
+    runner = llm.engine.executor.runner
+    runner.graphs = runner.graph_runner()
+    capture(runner.graphs, monkeypatch)
+    query_lens, run = [], runner.graphs.run
+
+    def spy(input_ids, positions, batch):
+        query_lens.append(batch.max_query_len)
+        return run(input_ids, positions, batch)
+    monkeypatch.setattr(runner.graphs, "run", spy)
+    llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={3})
+    assert generate(llm, prompts, params) == base
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert max(query_lens) > 1, query_lens  # verify steps replayed

@@ -135,10 +135,19 @@ class ModelRunner:
             self.draft.bind_kv_cache(torch.zeros(self.draft.kv_shape(num_blocks, self.block_size), dtype=self.kv_dtype,
                                                  device=self.device))
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.capturable:
-            c = self.config
-            self.graphs = CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq,
-                                          c.max_model_len, c.hf_config.hidden_size, self.dtype, self.device).capture()
+            self.graphs = self.graph_runner().capture()
         return num_blocks
+
+    def graph_runner(self) -> CUDAGraphRunner:
+        """The CUDA graphs this configuration replays: decode steps up to max_num_seqs sequences and, with
+        speculative decoding, verify steps while it proposes (fewer than disable_by_batch_size sequences)."""
+        c, spec = self.config, self.config.speculative_config
+        verify_len = 1 if spec is None else 1 + spec.num_speculative_tokens
+        max_verify_seqs = c.max_num_seqs
+        if spec is not None and spec.disable_by_batch_size is not None:
+            max_verify_seqs = spec.disable_by_batch_size - 1
+        return CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq, c.max_model_len,
+                               c.hf_config.hidden_size, self.dtype, self.device, verify_len, max_verify_seqs)
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         first = self.attention_layers[0]
@@ -279,8 +288,8 @@ class ModelRunner:
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
         lora = None if inputs.lora_slots is None else LoRABatch.of_tokens(inputs.lora_slots, self.device)
-        if lora is None and self.graphs is not None and self.graphs.can_run(len(input_ids), block_tables.shape[1],
-                                                                            batch.is_decode_only):
+        if lora is None and self.graphs is not None and self.graphs.can_run(len(seq_lens), block_tables.shape[1],
+                                                                            batch.max_query_len):
             hidden = self.graphs.run(input_ids, positions, batch)  # the graphs are captured without adapters
         else:
             hidden = self.model(input_ids, positions, self.backend.build(batch), lora)
