@@ -79,3 +79,20 @@ def make_llm():
         llm.shutdown()
         assert not llm.engine.has_unfinished_requests(), "requests left in the engine"
         assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(session, config, items):
+    """The Docker image check (test_docker_image.py) runs last and starts first, in the background: its build
+    mostly waits on downloads and copies, which the rest of the suite's work overlaps."""
+    image_checks = [item for item in items if item.path.name == "test_docker_image.py"]
+    if image_checks:
+        items[:] = [item for item in items if item not in image_checks] + image_checks
+        if not config.option.collectonly:
+            image_checks[0].module.start_in_background()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    image_check = sys.modules.get("test_docker_image")
+    if image_check is not None:
+        image_check.stop_background()
