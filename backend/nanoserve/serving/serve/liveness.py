@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.request import UNAVAILABLE, engine_mode
+from nanoserve.serving.shared.engine_model import UNAVAILABLE, engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
 PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": -1}).encode()

@@ -1,4 +1,4 @@
-"""`nanoserve serve`'s stop: drain every engine model (serving/control.py) before tritonserver gets the signal.
+"""`nanoserve serve`'s stop: drain every engine model (serving/stub/control.py) before tritonserver gets the signal.
 
 Once tritonserver 2.51 is stopping, its composing models take no new request, so an ensemble whose token stream
 is still running fails its next postprocessing step and is never released: tritonserver waits out its exit
@@ -13,8 +13,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.control import DRAIN_PARAMETER
-from nanoserve.serving.liveness import generate_request
+from nanoserve.serving.shared.engine_model import DRAIN_PARAMETER
+from nanoserve.serving.serve.liveness import generate_request
 
 PROMPT_INPUT = {"text": {"text_input": ""}, "tokens": {"input_ids": [0]}}  # inputs Triton requires, unread
 ANSWER_GRACE = 30.0  # seconds a model may take beyond the drain's own to answer it
