@@ -4,6 +4,8 @@ Once tritonserver 2.51 is stopping, its composing models take no new request, so
 is still running fails its next postprocessing step and is never released: tritonserver waits out its exit
 timeout and exits with code 1. Drained first, every stream has ended, its last response already handed on to the
 postprocessing, before tritonserver stops; requests that come meanwhile get UNAVAILABLE.
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'ensemble-never-released-at-stop'.
 """
 from __future__ import annotations
 

@@ -11,6 +11,8 @@ models serve again once loaded. A model that stops answering (serving/serve/live
 A stub that exits is a zombie until its parent reaps it. tritonserver reaps the stubs it stops itself (an unload,
 a failed load) at once, so a stub that stays a zombie died on its own. A zombie has no command line, but keeps its
 name (/proc/PID/comm): that tells a stub, whether or not it was seen alive.
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'dead-stub-unnoticed'.
 """
 from __future__ import annotations
 
