@@ -82,6 +82,15 @@ WORKAROUNDS = {
         ("backend/model.py:TritonPythonModel._unload_failed_model",
          "backend/nanoserve/serving/stub/shutdown.py:ServerArgs"),
         "tests/test_supervisor.py::test_a_killed_or_hung_stub_or_core_fails_its_streams_and_the_model_serves_again"),
+    "killed-server-leaves-stubs-and-shm": Workaround(
+        "2.51",
+        "A tritonserver that is killed (a crash, or an exit timeout that passed) leaves its Python backend stubs "
+        "orphaned and their shared-memory regions in /dev/shm. The launcher gives each server its own region "
+        "prefix, kills its whole process group and removes the regions.",
+        ("backend/nanoserve/serving/serve/launcher.py:TritonServer.command",
+         "backend/nanoserve/serving/serve/launcher.py:TritonServer._kill_group",
+         "backend/nanoserve/serving/serve/launcher.py:TritonServer._cleanup"),
+        "tests/test_launcher.py::test_killed_server_leaves_no_stub_or_shm"),
     "late-grpc-cancel-blocks-unload": Workaround(
         "2.51",
         "A cancel that arrives after a gRPC stream's final response, before the server ended the stream, cancels "
