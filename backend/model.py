@@ -31,14 +31,14 @@ import triton_python_backend_utils as pb_utils
 
 from nanoserve.coercion import optional_bool
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
-from nanoserve.serving.stub import request as contract
-from nanoserve.serving.stub.control import Drain, control_event
-from nanoserve.serving.stub.ensemble import ended_token_arrays, token_formatter
-from nanoserve.serving.stub.engine_core import EngineCoreClient
-from nanoserve.serving.stub.engine_thread import EngineInProcess
-from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.shared.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
                                                  reports_vllm_metrics)
+from nanoserve.serving.stub import request as contract
+from nanoserve.serving.stub.control import Drain, control_event
+from nanoserve.serving.stub.engine_core import EngineCoreClient
+from nanoserve.serving.stub.engine_thread import EngineInProcess
+from nanoserve.serving.stub.ensemble import ended_token_arrays, token_formatter
+from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.stub.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
                                               text_formatter)
 from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch

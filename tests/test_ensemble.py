@@ -11,9 +11,9 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
+from nanoserve.serving.serve import liveness
 from nanoserve.serving.stub.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
                                              context_size, decode_delta, is_final, special_token_ids, token_arrays)
-from nanoserve.serving.serve import liveness
 from nanoserve.serving.stub.request import ParsedRequest
 from nanoserve.serving.stub.responses import Stream
 

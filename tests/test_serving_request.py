@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.engine.model_runner import PromptLogprobs
 from nanoserve.sampling_params import MAX_STOP_STRINGS
-from nanoserve.serving.stub.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
-                                            TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
+from nanoserve.serving.stub.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
+                                            TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
 from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into,
                                               text_arrays, vllm_logprobs)
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.config import VLLM_NAMES, EngineConfig
-from nanoserve.serving.shared.model_json import SERVING_ARGS, engine_args_of, load_engine_args, reports_vllm_metrics
 from nanoserve.serving.serve.preflight import ConfigError, check_model_json
+from nanoserve.serving.shared.model_json import SERVING_ARGS, engine_args_of, load_engine_args, reports_vllm_metrics
 from nanoserve.serving.shared.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
 OWN = {field.name for field in EngineConfig.engine_args()}

@@ -5,9 +5,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.serving.shared.engine_model import CANCEL_PARAMETER
+from nanoserve.serving.shared.model_json import max_model_len_bound
 from nanoserve.serving.stub.ensemble import (CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
                                              engine_model, engine_tokenizer, is_final)
-from nanoserve.serving.shared.model_json import max_model_len_bound
 
 
 class TritonPythonModel:

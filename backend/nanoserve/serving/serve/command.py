@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 from nanoserve.config import EngineConfig
 from nanoserve.serving.serve import launcher, liveness, preflight, supervisor, triton_log
-from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.serve.engine_flags import add_engine_flags, given_engine_args
-from nanoserve.serving.shared.model_json import MULTI_LORA_JSON
 from nanoserve.serving.serve.preflight import ConfigError
+from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
+from nanoserve.serving.shared.model_json import MULTI_LORA_JSON
 
 ENSEMBLE_MODELS = ["nanoserve_tokens", "preprocessing", "postprocessing", "ensemble"]
 DEFAULT_OPENAI_PORT = 9000

@@ -15,8 +15,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.shared.engine_model import DRAIN_PARAMETER
 from nanoserve.serving.serve.liveness import generate_request
+from nanoserve.serving.shared.engine_model import DRAIN_PARAMETER
 
 PROMPT_INPUT = {"text": {"text_input": ""}, "tokens": {"input_ids": [0]}}  # inputs Triton requires, unread
 ANSWER_GRACE = 30.0  # seconds a model may take beyond the drain's own to answer it

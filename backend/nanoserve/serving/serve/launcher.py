@@ -32,8 +32,8 @@ from pathlib import Path
 
 from nanoserve import openmp
 from nanoserve.cache import build_once, default_cache_dir
-from nanoserve.tiny_model import build_tiny_model
 from nanoserve.serving.serve import drain, liveness, triton_log
+from nanoserve.tiny_model import build_tiny_model
 
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
