@@ -17,7 +17,7 @@ or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode
 
 execute() only parses, validates, tokenizes and enqueues. The engine thread owns the LLMEngine and steps the
 continuous batch, in this process or (config.pbtxt parameter `engine_core_process`) in an engine core process of
-its own (serving/engine_core.py); the response thread sends every response, sweeps for cancelled requests and
+its own (serving/stub/engine_core.py); the response thread sends every response, sweeps for cancelled requests and
 updates the metrics.
 """
 import faulthandler
@@ -30,17 +30,18 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.coercion import optional_bool
-from nanoserve.serving import request as contract
-from nanoserve.serving.control import Drain, control_event
-from nanoserve.serving.ensemble import ended_token_arrays, token_formatter
-from nanoserve.serving.engine_core import EngineCoreClient
-from nanoserve.serving.engine_thread import EngineInProcess
-from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
-                                          reports_vllm_metrics)
-from nanoserve.serving.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
-                                         text_formatter)
-from nanoserve.serving.shutdown import ServerArgs, ShutdownWatch
+from nanoserve.serving.shared.engine_model import UNAVAILABLE
+from nanoserve.serving.shared.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
+                                                 reports_vllm_metrics)
+from nanoserve.serving.stub import request as contract
+from nanoserve.serving.stub.control import Drain, control_event
+from nanoserve.serving.stub.engine_core import EngineCoreClient
+from nanoserve.serving.stub.engine_thread import EngineInProcess
+from nanoserve.serving.stub.ensemble import ended_token_arrays, token_formatter
+from nanoserve.serving.stub.metrics import Metrics
+from nanoserve.serving.stub.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
+                                              text_formatter)
+from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
@@ -160,7 +161,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         failure = self.engine_core.failure
         if failure is not None:
-            self.events.put(Reject(sender, contract.UNAVAILABLE + failure, code="UNAVAILABLE"))
+            self.events.put(Reject(sender, UNAVAILABLE + failure, code="UNAVAILABLE"))
             return
         try:
             control = control_event(request.parameters(), sender, self.responses.clock())
@@ -210,7 +211,7 @@ class TritonPythonModel:
             self.shutdown_watch.stop()
         self.engine_core.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
-        self.metrics.close()  # see serving/metrics.py: a family left for the stub's teardown crashes it
+        self.metrics.close()  # see serving/stub/metrics.py: a family left for the stub's teardown crashes it
 
 
 def _num_speculative_tokens(config) -> int:

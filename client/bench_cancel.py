@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=10)
     args = parser.parse_args(argv)
-    from nanoserve.serving import launcher
+    from nanoserve.serving.serve import launcher
 
     work = Path(tempfile.mkdtemp(prefix="nanoserve-bench-cancel-"))
     repository = launcher.make_model_repository(work / "model_repository", launcher.tiny_model(), models=MODELS,

@@ -1,4 +1,4 @@
-"""The engine on a thread of this process vs in an engine core process of its own (serving/engine_core.py): the
+"""The engine on a thread of this process vs in an engine core process of its own (serving/stub/engine_core.py): the
 same streamed workload (N requests, at most C running, every step's tokens and text) through an EngineThread and
 through an EngineCoreClient, alternating; prints output tok/s of each and the ratio core / thread. With
 --simulated-device-ms X both run on the simulated device and each also gives its share of the device-bound rate.
@@ -58,8 +58,8 @@ def main(argv=None) -> None:
     from nanoserve.config import EngineConfig
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.sampling_params import SamplingParams
-    from nanoserve.serving.engine_core import EngineCoreClient
-    from nanoserve.serving.engine_thread import EngineThread
+    from nanoserve.serving.stub.engine_core import EngineCoreClient
+    from nanoserve.serving.stub.engine_thread import EngineThread
 
     config = EngineConfig.from_kwargs(args.model, device="cpu", max_num_seqs=args.concurrency)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)

@@ -427,7 +427,7 @@ def kernels_json(results: list, copy_bps: float) -> list[dict]:
 # ---- through tritonserver ----
 def served_skip_reason(args) -> str | None:
     """Why the served comparison cannot run here, or None."""
-    from nanoserve.serving.launcher import find_tritonserver
+    from nanoserve.serving.serve.launcher import find_tritonserver
 
     if args.dry_run:
         return "dry run: tritonserver is not launched"
@@ -440,7 +440,7 @@ def served_skip_reason(args) -> str | None:
 
 def run_served(model: str, args, out_dir: str, device: str = "cuda") -> dict:
     """client/bench_serving.py at 64 gRPC streams: served / in-process output tok/s on the same requests."""
-    from nanoserve.serving.launcher import make_model_repository
+    from nanoserve.serving.serve.launcher import make_model_repository
 
     repo = make_model_repository(os.path.join(out_dir, "served-repository"), model, models=["nanoserve"],
                                  device=device, max_num_seqs=64)

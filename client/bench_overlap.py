@@ -44,7 +44,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.environ[ENV_STEP_MS] = str(args.simulated_device_ms)
     from nanoserve.engine.llm_engine import LLMEngine
-    from nanoserve.serving.launcher import tiny_model
+    from nanoserve.serving.serve.launcher import tiny_model
 
     engine = LLMEngine.from_engine_args(args.model or str(tiny_model()), device="cpu", cpu_kvcache_space_gib=0.5)
     device_bound = args.rows * 1000 / args.simulated_device_ms

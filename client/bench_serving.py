@@ -222,7 +222,7 @@ def timed_served(url: str, server_pid: int | None, args, prompts: list[str], par
 
 def process_group(pid: int | None) -> list[int]:
     """The processes in pid's process group (tritonserver and its stubs share one); [] for None or gone."""
-    from nanoserve.serving.launcher import group_members
+    from nanoserve.serving.serve.launcher import group_members
 
     try:
         return group_members(os.getpgid(pid)) if pid else []
@@ -251,7 +251,7 @@ def served_url(args):
     if args.url:
         yield args.url, args.server_pid
         return
-    from nanoserve.serving.launcher import TritonServer, free_ports
+    from nanoserve.serving.serve.launcher import TritonServer, free_ports
 
     log = Path(args.log_file).resolve()
     with TritonServer(args.model_repository, *free_ports(3), log_file=log) as server:
@@ -408,7 +408,7 @@ def print_device_shares(rounds: list[dict], device_bound: float, args) -> None:
 
 
 def main(argv=None) -> int:
-    from nanoserve.serving.model_json import load_engine_args
+    from nanoserve.serving.shared.model_json import load_engine_args
 
     args = parse_args(argv)
     device_bound = simulate_device(args)

@@ -364,8 +364,8 @@ def engine_metrics(server, model: str, **labels: str) -> dict:
 
 def process_rss(pgid: int) -> dict:
     """RSS in bytes of tritonserver (the group leader) and each of its stubs, named by model instance."""
-    from nanoserve.serving.launcher import processes
-    from nanoserve.serving.supervisor import stub_instance
+    from nanoserve.serving.serve.launcher import processes
+    from nanoserve.serving.serve.supervisor import stub_instance
 
     sizes = {}
     for pid, state, _, group in processes():
@@ -394,7 +394,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import tempfile
 
-    from nanoserve.serving import launcher
+    from nanoserve.serving.serve import launcher
 
     args = parse_args(argv)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="nanoserve-soak-"))
@@ -406,7 +406,7 @@ def main(argv=None) -> int:
         print(f"soak: {args.clients} clients for {args.minutes:g} min; tritonserver log {server.log_path}",
               flush=True)
         report = Soak(server, args.clients, args.seed, args.deadline).run(seconds=args.minutes * 60)
-        undrained = server.drain(server.exit_timeout_secs)  # as `nanoserve serve` stops (serving/drain.py)
+        undrained = server.drain(server.exit_timeout_secs)  # as `nanoserve serve` stops (serving/serve/drain.py)
         code = server.stop()
     print(report.summary() + f"tritonserver exit code {code} after the drain and SIGTERM")
     failures = report.failures() + [f"drain: {line}" for line in undrained]

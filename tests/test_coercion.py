@@ -70,9 +70,9 @@ def test_every_reader_takes_the_same_words(word, expected):
     """Each place that reads a boolean that may be a string: the same answer for every word of the table."""
     from nanoserve.config import coerce_engine_arg
     from nanoserve.sampling_params import SamplingParams
-    from nanoserve.serving.model_json import reports_vllm_metrics
-    from nanoserve.serving.request import parse_request
-    from nanoserve.serving.shutdown import ServerArgs
+    from nanoserve.serving.shared.model_json import reports_vllm_metrics
+    from nanoserve.serving.stub.request import parse_request
+    from nanoserve.serving.stub.shutdown import ServerArgs
 
     assert coerce_engine_arg("enforce_eager", word.upper()) is expected  # engine arguments, model.json, flags
     assert SamplingParams.from_dict({"ignore_eos": word}).ignore_eos is expected  # sampling parameters

@@ -20,8 +20,8 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.model_runner import PromptLogprobs
 from nanoserve.engine.output_processor import RequestOutput
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.engine_core import Abort, Add, Command, EngineCoreClient
-from nanoserve.serving.engine_thread import EngineThread, StepResult
+from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient
+from nanoserve.serving.stub.engine_thread import EngineThread, StepResult
 
 import msgspec
 
@@ -152,7 +152,7 @@ CHILD = textwrap.dedent("""
     import queue, sys, time
     from transformers import AutoTokenizer
     from nanoserve.config import EngineConfig
-    from nanoserve.serving.engine_core import EngineCoreClient
+    from nanoserve.serving.stub.engine_core import EngineCoreClient
     if __name__ == "__main__":
         config = EngineConfig.from_kwargs(sys.argv[1], device="cpu", num_kvcache_blocks=16)
         client = EngineCoreClient(config, queue.Queue())

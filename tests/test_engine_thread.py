@@ -9,7 +9,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes, max_token_bytes
 from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.engine_thread import EngineThread
+from nanoserve.serving.stub.engine_thread import EngineThread
 
 FAULT_SEED = 666  # a request with this seed makes the sampler raise (from the given step on)
 TIMEOUT = 120

@@ -11,11 +11,11 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.serving.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
-                                        context_size, decode_delta, is_final, special_token_ids, token_arrays)
-from nanoserve.serving import liveness
-from nanoserve.serving.request import ParsedRequest
-from nanoserve.serving.responses import Stream
+from nanoserve.serving.serve import liveness
+from nanoserve.serving.stub.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
+                                             context_size, decode_delta, is_final, special_token_ids, token_arrays)
+from nanoserve.serving.stub.request import ParsedRequest
+from nanoserve.serving.stub.responses import Stream
 
 
 def ensemble_text(tokenizer, prompt_ids, output_ids, **params) -> str:

@@ -23,8 +23,8 @@ from nanoserve.cache import build_once
 from nanoserve.config import EngineConfig
 from nanoserve.layers.quantization import GroupQuantized
 from nanoserve.models.gguf import checkpoint_dir
-from nanoserve.serving.ensemble import engine_tokenizer
-from nanoserve.serving.model_json import load_engine_args
+from nanoserve.serving.shared.model_json import load_engine_args
+from nanoserve.serving.stub.ensemble import engine_tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import nanoserve
-from nanoserve.serving import launcher
+from nanoserve.serving.serve import launcher
 from triton_server import (LOAD_TIMEOUT, assert_nothing_left, child_pid, group_members, http_ready, kill_group,
                            running_server, shm_regions)
 
@@ -151,7 +151,7 @@ def test_model_that_fails_to_load_raises_with_the_log(echo_repository):
 
 
 def test_make_model_repository_points_at_the_checkpoint(tmp_path):
-    from nanoserve.serving.model_json import load_engine_args
+    from nanoserve.serving.shared.model_json import load_engine_args
 
     repo = launcher.make_model_repository(tmp_path / "repo", tmp_path / "ckpt", models=["nanoserve"], device="cpu")
     assert [p.name for p in repo.iterdir()] == ["nanoserve"]
@@ -226,6 +226,6 @@ def test_cli_serve_stops_on_signal(echo_repository, sig):
     ("MODEL", {"model": "m"}, None),  # KIND_MODEL: the engine chooses
 ])
 def test_instance_device(kind, engine_args, device):
-    from nanoserve.serving.model_json import instance_device
+    from nanoserve.serving.shared.model_json import instance_device
 
     assert instance_device(engine_args, kind, "1").get("device") == device

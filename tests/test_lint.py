@@ -1,5 +1,6 @@
 """The code checks CI runs with the suite: ruff, and the import contracts in pyproject.toml (layers, models and
-kernels never import the engine or serving; imports point down; no cycles)."""
+kernels never import the engine or serving; imports point down; no cycles; serving's stub, serve and openai_api
+sides import nothing of each other)."""
 import subprocess
 import sys
 from pathlib import Path

@@ -291,9 +291,9 @@ def test_tp2_quantizes_each_shard_as_tp1_does(tiny_llama, qtype, quantization, m
 
 
 def test_the_quantization_argument_is_checked(tiny_llama):
-    from nanoserve.config import EngineConfig
-    from nanoserve.serving.engine_flags import given_engine_args
     from nanoserve.cli import build_parser
+    from nanoserve.config import EngineConfig
+    from nanoserve.serving.serve.engine_flags import given_engine_args
 
     hf_dir = tiny_llama[0]
     assert EngineConfig.from_kwargs(hf_dir, device="cpu").quantization == "auto"

@@ -15,7 +15,7 @@ from serving_utils import TIMEOUT, http_post, is_ready, metrics_when, stream, tr
 from triton_server import group_members
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.request import TEXT_INPUTS
+from nanoserve.serving.stub.request import TEXT_INPUTS
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 MODEL = "nanoserve"

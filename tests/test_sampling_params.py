@@ -6,7 +6,7 @@ import pytest
 
 from nanoserve.sampling_params import (MAX_N, MAX_SEED, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                        MAX_STOP_TOKEN_IDS, MAX_TOP_K, SamplingParams)
-from nanoserve.serving.request import json_object
+from nanoserve.serving.stub.request import json_object
 
 INVALID = [  # field, value
     ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "32"),

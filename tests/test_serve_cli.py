@@ -13,9 +13,9 @@ import pytest
 from client import stream
 from nanoserve import cli
 from nanoserve.config import EngineConfig
-from nanoserve.serving import launcher, preflight, triton_log
-from nanoserve.serving.engine_flags import flag, given_engine_args
-from nanoserve.serving.model_json import lora_modules, tokenizer_dir
+from nanoserve.serving.serve import launcher, preflight, triton_log
+from nanoserve.serving.serve.engine_flags import flag, given_engine_args
+from nanoserve.serving.shared.model_json import lora_modules, tokenizer_dir
 
 from triton_server import nanoserve_serve
 

@@ -1,5 +1,5 @@
-"""`nanoserve serve` on SIGTERM (serving/drain.py): the engine models take no new request, the streams in flight end
-(or are ended at the drain's deadline), and only then does tritonserver stop. An ensemble stream in flight
+"""`nanoserve serve` on SIGTERM (serving/serve/drain.py): the engine models take no new request, the streams in
+flight end (or are ended at the drain's deadline), and only then does tritonserver stop. An ensemble stream in flight
 included, it exits with code 0: tritonserver 2.51 alone never releases an ensemble whose token stream runs when it
 stops (its composing models then refuse the postprocessing of the next response)."""
 import signal

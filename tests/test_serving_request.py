@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 from nanoserve.engine.llm_engine import RequestOutput
 from nanoserve.engine.model_runner import PromptLogprobs
 from nanoserve.sampling_params import MAX_STOP_STRINGS
-from nanoserve.serving.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
-                                       TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
-from nanoserve.serving.control import MAX_DRAIN_SECONDS, CancelById, Drain, control_event
-from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
-from nanoserve.serving.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into, text_arrays,
-                                         vllm_logprobs)
+from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
+from nanoserve.serving.stub.control import CancelById, Drain, control_event
+from nanoserve.serving.stub.engine_thread import StepResult
+from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
+from nanoserve.serving.stub.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
+                                            TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
+from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into,
+                                              text_arrays, vllm_logprobs)
 
 
 def formatted(stream, output, every_step=False):
@@ -464,7 +465,7 @@ def test_send_budget_must_be_a_share():
 
 
 def test_cancellation_checks_take_turns_across_many_streams():
-    from nanoserve.serving.responses import CANCEL_CHECKS_PER_ROUND
+    from nanoserve.serving.stub.responses import CANCEL_CHECKS_PER_ROUND
 
     clock = FakeClock()
     aborted = []
@@ -518,7 +519,7 @@ def engine_stats(running, used):
 
 
 def test_metrics_send_counters_and_changed_gauges_only_when_published():
-    from nanoserve.serving.metrics import Metrics
+    from nanoserve.serving.stub.metrics import Metrics
 
     calls = []
     metrics = Metrics(fake_pb_with_metrics(calls), "m", "1")
@@ -542,7 +543,7 @@ def test_metrics_send_counters_and_changed_gauges_only_when_published():
 
 
 def test_spec_decode_counters_follow_the_engine_under_both_names():
-    from nanoserve.serving.metrics import Metrics
+    from nanoserve.serving.stub.metrics import Metrics
 
     calls = []
     metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True, num_speculative_tokens=2)
@@ -564,7 +565,7 @@ def test_spec_decode_counters_follow_the_engine_under_both_names():
 
 
 def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
-    from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND, Metrics
+    from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND, Metrics
 
     calls, clock = [], FakeClock()
     metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
@@ -591,7 +592,7 @@ def test_closed_metrics_hold_no_family_or_metric():
     import gc
     import weakref
 
-    from nanoserve.serving.metrics import Metrics
+    from nanoserve.serving.stub.metrics import Metrics
 
     metrics = Metrics(fake_pb_with_metrics([]), "m", "1")
     metrics.record_engine(engine_stats(running=1, used=2))
@@ -603,7 +604,7 @@ def test_closed_metrics_hold_no_family_or_metric():
 
 
 def test_the_last_request_in_flight_publishes_before_its_final_response():
-    from nanoserve.serving.metrics import PUBLISH_INTERVAL, Metrics
+    from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, Metrics
 
     calls, clock = [], FakeClock()
     thread = response_thread(clock, send_budget=1.0, metrics=Metrics(fake_pb_with_metrics(calls), "m", "1"))

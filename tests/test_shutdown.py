@@ -10,9 +10,9 @@ import pytest
 from serving_utils import wait_until
 from test_serving_request import ErrorPb, FakeClock, RecordingSender, parse, response_thread, text
 
-from nanoserve.serving.launcher import free_ports
-from nanoserve.serving.responses import Register, Stream
-from nanoserve.serving.shutdown import MARGIN, ServerArgs, ShutdownWatch
+from nanoserve.serving.serve.launcher import free_ports
+from nanoserve.serving.stub.responses import Register, Stream
+from nanoserve.serving.stub.shutdown import MARGIN, ServerArgs, ShutdownWatch
 
 
 @pytest.mark.parametrize("argv, expected", [

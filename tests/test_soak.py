@@ -1,7 +1,7 @@
 """Soak in CI (client/soak.py): 16 clients over every protocol and model, with cancelled streams, closed SSE
 connections, SIGKILLed client processes and bad input, on KV pools small enough to preempt. Nothing hangs, no valid
 request fails, repeated deterministic requests give one text, the engines go back to idle, and after the drain
-`nanoserve serve` does on SIGTERM (serving/drain.py) tritonserver unloads every model and exits with code 0."""
+`nanoserve serve` does on SIGTERM (serving/serve/drain.py) tritonserver unloads every model and exits with code 0."""
 import pytest
 from triton_server import running_server, tiny_repository
 

@@ -19,7 +19,7 @@ from nanoserve.engine.speculative import NgramProposer
 from nanoserve.engine.structured_output import Grammar
 from nanoserve.layers.sampler import Sampler, SamplingMetadata
 from nanoserve.sampling_params import StructuredOutputsParams
-from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
+from nanoserve.serving.serve.engine_flags import add_engine_flags, given_engine_args
 
 BLOCK = 8
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.models.gguf import checkpoint_dir
-from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
+from nanoserve.serving.serve.engine_flags import add_engine_flags, given_engine_args
 from nanoserve.tiny_model import build_tiny_model, cut_layers
 
 BLOCK = 8

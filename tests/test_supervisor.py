@@ -12,8 +12,8 @@ from serving_utils import BACKEND_MODEL, TIMEOUT, add_parameters, collect, open_
 from triton_server import (LOAD_TIMEOUT, child_pid, free_ports, group_members, http_ready, kill_group,
                            running_server, shm_regions, tiny_repository)
 
-from nanoserve.serving import liveness, supervisor
-from nanoserve.serving.launcher import STUB_NAME, processes
+from nanoserve.serving.serve import liveness, supervisor
+from nanoserve.serving.serve.launcher import STUB_NAME, processes
 
 
 FAKE_STUB = ("import ctypes, time; ctypes.CDLL(None).prctl(15, b'%s', 0, 0, 0); time.sleep(300)"  # PR_SET_NAME
@@ -170,7 +170,7 @@ FREEZE_HOOK = f'''
 # ---- injected by tests/test_supervisor.py: a response thread that blocks for good, as in a frontend deadlock ----
 import threading as _threading
 
-from nanoserve.serving import responses as _responses
+from nanoserve.serving.stub import responses as _responses
 
 _real_handle = _responses.ResponseThread._handle_request_event
 

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.config import VLLM_NAMES, EngineConfig
-from nanoserve.serving.model_json import SERVING_ARGS, engine_args_of, load_engine_args, reports_vllm_metrics
-from nanoserve.serving.preflight import ConfigError, check_model_json
-from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
+from nanoserve.serving.serve.preflight import ConfigError, check_model_json
+from nanoserve.serving.shared.model_json import SERVING_ARGS, engine_args_of, load_engine_args, reports_vllm_metrics
+from nanoserve.serving.shared.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
 OWN = {field.name for field in EngineConfig.engine_args()}
 # nanoserve's engine arguments that mean what vLLM's of the same name mean (docs/serving.md lists them)
@@ -78,7 +78,7 @@ def test_every_vllm_name_is_renamed_kept_or_ignored(vllm_only, own, renamed):
     warnings = []
     handler = logging.Handler()
     handler.emit = warnings.append
-    logger = logging.getLogger("nanoserve.serving.model_json")
+    logger = logging.getLogger("nanoserve.serving.shared.model_json")
     logger.addHandler(handler)
     try:
         args = engine_args_of(model_json)
@@ -101,8 +101,8 @@ def test_report_custom_metrics_switches_the_vllm_metrics_as_in_vllm_backend(para
 
 def test_a_relative_draft_path_is_taken_from_model_json_s_folder_or_the_current_directory(tmp_path, monkeypatch):
     """As `model` is: model.json's relative paths from its model's folder, a command line's from where it runs."""
-    from nanoserve.serving.launcher import make_model_repository
-    from nanoserve.serving.model_json import read_model_json
+    from nanoserve.serving.serve.launcher import make_model_repository
+    from nanoserve.serving.shared.model_json import read_model_json
 
     model_dir = tmp_path / "repo" / "m"
     (model_dir / "1").mkdir(parents=True)

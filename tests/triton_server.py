@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.serving.launcher import (SHM_DIR, TritonServer, free_ports, group_members, make_model_repository,
-                                       processes)
+from nanoserve.serving.serve.launcher import (SHM_DIR, TritonServer, free_ports, group_members, make_model_repository,
+                                              processes)
 
 # Small CPU KV cache: a stub with the default 1 GiB takes ~1.4 GB of memory.
 TEST_ENGINE_ARGS = {"device": "cpu", "cpu_kvcache_space_gib": 0.125}

@@ -9,6 +9,7 @@ build the tiny model.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -17,7 +18,8 @@ from pathlib import Path
 from nanoserve import demo_model, tiny_model
 from nanoserve.cache import default_cache_dir
 from nanoserve.help_format import ArgumentParser, HelpFormatter
-from nanoserve.serving import launcher, serve
+from nanoserve.serving.serve import command as serve_command
+from nanoserve.serving.serve import launcher
 
 
 def _stream_module():
@@ -56,7 +58,7 @@ def _demo(args, _extra) -> int:
 def _demo_repository(args, tmp: Path) -> tuple[Path, str | None]:
     """(the model repository to serve, the checkpoint holding its tokenizer, if known)."""
     from nanoserve.models.gguf import as_checkpoint_dir  # heavy (torch, transformers): only the demo needs it
-    from nanoserve.serving.model_json import tokenizer_dir
+    from nanoserve.serving.shared.model_json import tokenizer_dir
 
     if args.model_repository is not None:
         repository = Path(args.model_repository)
@@ -83,6 +85,14 @@ def _chat_prompt(tokenizer_path: str | None, question: str) -> str:
                                          add_generation_prompt=True)
 
 
+def _start_openai_api(grpc_url, repository, host, port, metrics_url, tool_call_parser):
+    """`nanoserve serve`'s OpenAI API (serving/serve/command.py starts it once the models are ready)."""
+    from nanoserve.serving.openai_api.server import OpenAIServer  # fastapi, uvicorn: only when it is served
+
+    return OpenAIServer(grpc_url, repository, host, port, metrics_url=metrics_url,
+                        tool_call_parser=tool_call_parser).start()
+
+
 def _build_tiny_model(args, _extra) -> int:
     return tiny_model.main([args.out_dir, "--arch", args.arch, "--seed", str(args.seed)])
 
@@ -92,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = commands.add_parser("serve", help="serve a model with tritonserver and the OpenAI API",
-                                       description=serve.__doc__, formatter_class=HelpFormatter)
-    serve.add_arguments(serve_parser)
-    serve_parser.set_defaults(run=serve.run)
+                                       description=serve_command.__doc__, formatter_class=HelpFormatter)
+    serve_command.add_arguments(serve_parser)
+    serve_parser.set_defaults(run=functools.partial(serve_command.run, start_api=_start_openai_api))
 
     demo = commands.add_parser("demo", help="serve SmolLM2-135M-Instruct (or a checkpoint, or a repository) and "
                                             "stream one chat answer", formatter_class=HelpFormatter)

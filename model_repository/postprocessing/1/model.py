@@ -1,13 +1,13 @@
-"""Ensemble step 3: output_ids + context_ids -> text_output, statelessly (nanoserve/serving/ensemble.py); and the
+"""Ensemble step 3: output_ids + context_ids -> text_output, statelessly (nanoserve/serving/stub/ensemble.py); and the
 ensemble's cancellation: Triton's ensemble scheduler marks this step's request cancelled once the client cancelled
 but never tells the engine model, whose request is already running, so this model does (CancelChecks)."""
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.control import CANCEL_PARAMETER
-from nanoserve.serving.ensemble import (CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
-                                        engine_model, engine_tokenizer, is_final)
-from nanoserve.serving.model_json import max_model_len_bound
+from nanoserve.serving.shared.engine_model import CANCEL_PARAMETER
+from nanoserve.serving.shared.model_json import max_model_len_bound
+from nanoserve.serving.stub.ensemble import (CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
+                                             engine_model, engine_tokenizer, is_final)
 
 
 class TritonPythonModel:

@@ -2,8 +2,8 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from nanoserve.serving.ensemble import encode_prompt, engine_max_prompt_bytes, engine_tokenizer
-from nanoserve.serving.request import name_prompt_input, parse_text_prompt
+from nanoserve.serving.stub.ensemble import encode_prompt, engine_max_prompt_bytes, engine_tokenizer
+from nanoserve.serving.stub.request import name_prompt_input, parse_text_prompt
 
 
 class TritonPythonModel:

@@ -10,9 +10,9 @@ from pathlib import Path
 import tritonclient.grpc.aio as grpcaio
 from transformers import AutoTokenizer
 
-from nanoserve.serving.model_json import lora_modules, tokenizer_dir
 from nanoserve.serving.openai_api.errors import APIError
-from nanoserve.serving.request import is_text_model
+from nanoserve.serving.shared.engine_model import is_text_model
+from nanoserve.serving.shared.model_json import lora_modules, tokenizer_dir
 
 
 @dataclass

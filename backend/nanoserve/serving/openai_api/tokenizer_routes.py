@@ -9,11 +9,11 @@ from fastapi import FastAPI, Request
 from pydantic import Field
 
 from nanoserve.engine.tokenize import token_decoder
-from nanoserve.serving.model_json import max_model_len_bound
 from nanoserve.serving.openai_api.chat import render_chat
 from nanoserve.serving.openai_api.errors import bad_request
 from nanoserve.serving.openai_api.models import Target
 from nanoserve.serving.openai_api.protocol import ChatMessage, RequestBody
+from nanoserve.serving.shared.model_json import max_model_len_bound
 
 
 class TokenizeRequest(RequestBody):

@@ -94,8 +94,8 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
             responses.cancel()
 
 
-# the model unloading or gone, its engine failed (backend/model.py), the server shutting down (serving/shutdown.py,
-# serving/drain.py)
+# the model unloading or gone, its engine failed (backend/model.py), the server shutting down (serving/stub/shutdown.py,
+# serving/serve/drain.py)
 UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
                        "the server is shutting down")
 

@@ -32,10 +32,10 @@ from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop, withheld_ch
 from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, max_prompt_bytes
 from nanoserve.engine.tokenize import token_decoder
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.model_json import max_model_len_bound, tokenizer_dir
-from nanoserve.serving.request import json_object, required, single, utf8
-from nanoserve.serving.responses import (Entry, Generated, Stream, accumulate, finish_reason_text, optional_arrays,
-                                         string_array)
+from nanoserve.serving.shared.model_json import max_model_len_bound, tokenizer_dir
+from nanoserve.serving.stub.request import json_object, required, single, utf8
+from nanoserve.serving.stub.responses import (Entry, Generated, Stream, accumulate, finish_reason_text, optional_arrays,
+                                              string_array)
 
 CONTEXT_IDS = 16
 CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled

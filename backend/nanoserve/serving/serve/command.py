@@ -20,13 +20,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 from nanoserve.config import EngineConfig
-from nanoserve.serving import launcher, liveness, preflight, supervisor, triton_log
-from nanoserve.serving.control import MAX_DRAIN_SECONDS
-from nanoserve.serving.engine_flags import add_engine_flags, given_engine_args
-from nanoserve.serving.model_json import MULTI_LORA_JSON
-from nanoserve.serving.preflight import ConfigError
+from nanoserve.serving.serve import launcher, liveness, preflight, supervisor, triton_log
+from nanoserve.serving.serve.engine_flags import add_engine_flags, given_engine_args
+from nanoserve.serving.serve.preflight import ConfigError
+from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
+from nanoserve.serving.shared.model_json import MULTI_LORA_JSON
 
 ENSEMBLE_MODELS = ["nanoserve_tokens", "preprocessing", "postprocessing", "ensemble"]
 DEFAULT_OPENAI_PORT = 9000
@@ -83,14 +84,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser)
 
 
-def run(args: argparse.Namespace, extra: list[str]) -> int:
+# Starts the OpenAI API on a thread of this process and returns it (.url, .stop()): given Triton's gRPC address,
+# the model repository, the address and port to bind, Triton's metrics URL and the tool-call parser. The command
+# line (nanoserve.cli) passes openai_api's, so that this side imports nothing of the API.
+StartAPI = Callable[[str, Path, str, int, str, "str | None"], Any]
+
+
+def run(args: argparse.Namespace, extra: list[str], start_api: StartAPI) -> int:
     with tempfile.TemporaryDirectory(prefix="nanoserve-serve-") as work_dir:
         try:
             plan = prepare(args, Path(work_dir))
         except ConfigError as e:
             print(f"nanoserve serve: error: {e}", file=sys.stderr)
             return 2
-        return serve(args, plan, extra)
+        return serve(args, plan, extra, start_api)
 
 
 # ---- before tritonserver starts -------------------------------------------------------------------------
@@ -101,7 +108,7 @@ def prepare(args: argparse.Namespace, work_dir: Path) -> Plan:
     preflight.check_ports(args.host, ports)
     if not 0 <= args.liveness_timeout <= 86400:
         raise ConfigError(f"--liveness-timeout: must be in [0, 86400] seconds, got {args.liveness_timeout:g}")
-    if not 0 <= args.exit_timeout_secs <= MAX_DRAIN_SECONDS:  # the drain's too (serving/drain.py)
+    if not 0 <= args.exit_timeout_secs <= MAX_DRAIN_SECONDS:  # the drain's too (serving/serve/drain.py)
         raise ConfigError(f"--exit-timeout-secs: must be in [0, {MAX_DRAIN_SECONDS:g}] seconds, "
                           f"got {args.exit_timeout_secs}")
     if args.model_repository:
@@ -175,7 +182,7 @@ def _write_repository(args: argparse.Namespace, dest: Path) -> Plan:
 
 
 # ---- tritonserver and the OpenAI API --------------------------------------------------------------------
-def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
+def serve(args: argparse.Namespace, plan: Plan, extra: list[str], start_api: StartAPI) -> int:
     log_file = _log_file(args)
     if not plan.models:  # a repository: a model that fails to load must not stop the others (the user's flag wins)
         extra = ["--exit-on-error=false", *extra]
@@ -193,7 +200,7 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
         if failed is None:  # none of the repository's models loaded
             return _stopped(server, signals.received)
         try:
-            api = _start_openai_api(args, server, plan)
+            api = _start_openai_api(args, server, plan, start_api)
         except RuntimeError as e:
             server.stop()
             print(f"nanoserve serve: error: --openai-port: {e}", file=sys.stderr)
@@ -214,7 +221,7 @@ def serve(args: argparse.Namespace, plan: Plan, extra: list[str]) -> int:
 
 
 def _drain(server: launcher.TritonServer, seconds: float, received: list[int]) -> None:
-    """Let the requests in flight finish (up to `seconds`) before tritonserver stops (serving/drain.py)."""
+    """Let the requests in flight finish (up to `seconds`) before tritonserver stops (serving/serve/drain.py)."""
     launcher.say(f"stopping: the requests in flight get up to {seconds:g} s to finish (again: stop now)")
     for failure in server.drain(seconds, received):
         launcher.say(f"drain: {failure}")
@@ -264,13 +271,11 @@ def _stopped(server: launcher.TritonServer, received: list[int]) -> int:
     return 1
 
 
-def _start_openai_api(args, server, plan: Plan):
+def _start_openai_api(args, server: launcher.TritonServer, plan: Plan, start_api: StartAPI):
     if not args.openai_port:
         return None
-    from nanoserve.serving.openai_api.server import OpenAIServer  # fastapi, uvicorn: only when it is served
-
-    return OpenAIServer(server.url_grpc, plan.repository, args.host, args.openai_port,
-                        metrics_url=server.url_metrics, tool_call_parser=args.tool_call_parser).start()
+    return start_api(server.url_grpc, plan.repository, args.host, args.openai_port, server.url_metrics,
+                     args.tool_call_parser)
 
 
 def _banner(args, server: launcher.TritonServer, plan: Plan, api, log_file: Path | None,

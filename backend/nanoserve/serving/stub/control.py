@@ -15,11 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanoserve.serving.request import json_object
-
-CANCEL_PARAMETER = "cancel_request_id"
-DRAIN_PARAMETER = "drain_seconds"
-MAX_DRAIN_SECONDS = 3600.0
+from nanoserve.serving.shared.engine_model import CANCEL_PARAMETER, DRAIN_PARAMETER, MAX_DRAIN_SECONDS
+from nanoserve.serving.stub.request import json_object
 
 
 @dataclass

@@ -6,11 +6,13 @@ response. python_backend restarts no stub of a decoupled model, and reloading th
 does not help: the new version serves, but the old one keeps the in-flight requests' response factories, which
 only the dead stub could release, so it never unloads and SIGTERM ends in the exit timeout (exit code 1). A new
 tritonserver does help: the clients of the old one see their connection close (an error within seconds), and the
-models serve again once loaded. A model that stops answering (serving/liveness.py) gets the same restart.
+models serve again once loaded. A model that stops answering (serving/serve/liveness.py) gets the same restart.
 
 A stub that exits is a zombie until its parent reaps it. tritonserver reaps the stubs it stops itself (an unload,
 a failed load) at once, so a stub that stays a zombie died on its own. A zombie has no command line, but keeps its
 name (/proc/PID/comm): that tells a stub, whether or not it was seen alive.
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'dead-stub-unnoticed'.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoserve.serving.launcher import STUB_NAME, TritonServer, processes, say
-from nanoserve.serving.liveness import Liveness
+from nanoserve.serving.serve.launcher import STUB_NAME, TritonServer, processes, say
+from nanoserve.serving.serve.liveness import Liveness
 
 CHECK_INTERVAL = 1.0  # seconds between looks at the stubs
 ZOMBIE_GRACE = 2.0  # seconds a stub stays a zombie before it counts as dead (tritonserver reaps its own at once)

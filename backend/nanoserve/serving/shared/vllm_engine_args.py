@@ -1,5 +1,5 @@
-"""vLLM's engine argument names, so that a vllm_backend model.json loads (serving/model_json.py): a name here that
-nanoserve does not know is accepted with a warning, a name in neither list is a typo and stays an error.
+"""vLLM's engine argument names, so that a vllm_backend model.json loads (serving/shared/model_json.py): a name
+here that nanoserve does not know is accepted with a warning, a name in neither list is a typo and stays an error.
 
 VLLM_ENGINE_ARGS: the fields of vLLM 0.32's AsyncEngineArgs (EngineArgs plus enable_log_requests), without
 `model` and private names, listed by

@@ -6,6 +6,8 @@ The question is a request with `max_tokens` -1: the model rejects it (HTTP 400) 
 sends every answer, without the engine. So it is cheap, waits behind no queued request however busy the engine
 is, and its answer shows that the frontend and the stub's response path still work. A refused connection (a
 server starting or stopping) is no verdict either way.
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'grpc-frontend-deadlock'.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.request import UNAVAILABLE, engine_mode
+from nanoserve.serving.shared.engine_model import UNAVAILABLE, engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
 PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": -1}).encode()

@@ -1,9 +1,11 @@
-"""`nanoserve serve`'s stop: drain every engine model (serving/control.py) before tritonserver gets the signal.
+"""`nanoserve serve`'s stop: drain every engine model (serving/stub/control.py) before tritonserver gets the signal.
 
 Once tritonserver 2.51 is stopping, its composing models take no new request, so an ensemble whose token stream
 is still running fails its next postprocessing step and is never released: tritonserver waits out its exit
 timeout and exits with code 1. Drained first, every stream has ended, its last response already handed on to the
 postprocessing, before tritonserver stops; requests that come meanwhile get UNAVAILABLE.
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'ensemble-never-released-at-stop'.
 """
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from nanoserve.serving.control import DRAIN_PARAMETER
-from nanoserve.serving.liveness import generate_request
+from nanoserve.serving.serve.liveness import generate_request
+from nanoserve.serving.shared.engine_model import DRAIN_PARAMETER
 
 PROMPT_INPUT = {"text": {"text_input": ""}, "tokens": {"input_ids": [0]}}  # inputs Triton requires, unread
 ANSWER_GRACE = 30.0  # seconds a model may take beyond the drain's own to answer it

@@ -30,7 +30,6 @@ SCALAR_INPUTS = {
 FLAG_INPUTS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
 # Size bounds, checked before anything is decoded or parsed. The text prompt's bound depends on the tokenizer
 # and max_model_len: the engine thread checks it before tokenizing (engine/tokenize.py).
-UNAVAILABLE = "the model is unavailable: "  # + why: how a model whose engine has failed answers every request
 MAX_JSON_BYTES = 1 << 20  # sampling_parameters, and the request parameters
 MAX_STOP_WORD_BYTES = 4 * MAX_STOP_STRING_CHARS  # a stop_words element (UTF-8: at most 4 bytes per character)
 
@@ -58,7 +57,7 @@ _COMMON_OUTPUTS = [
 TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1]), _io("input_ids", "TYPE_INT32", [-1]), *_COMMON_INPUTS]
 TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
 # mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
-# precede them (see serving/ensemble.py), so the postprocessing model can detokenize statelessly.
+# precede them (see serving/stub/ensemble.py), so the postprocessing model can detokenize statelessly.
 TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
 TOKEN_OUTPUTS = [
     {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
@@ -67,18 +66,6 @@ TOKEN_OUTPUTS = [
     {"name": "request_id", "data_type": "TYPE_STRING", "dims": [1]},  # what a cancel_request_id control names
     *_COMMON_OUTPUTS,
 ]
-
-
-def engine_mode(config: dict) -> str | None:
-    """A Triton model config's (as Triton reports it) nanoserve mode: "text" (TEXT_INPUTS -> TEXT_OUTPUTS) or
-    "tokens" (TOKEN_INPUTS -> TOKEN_OUTPUTS); None for a model of another backend."""
-    if config.get("backend") != "nanoserve":
-        return None
-    return config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"
-
-
-def is_text_model(config: dict) -> bool:
-    return engine_mode(config) == "text"
 
 
 @dataclass

@@ -8,6 +8,8 @@ connections at once (it accepts and drops them), so ShutdownWatch asks it for /v
 seconds; from the first refusal the requests in flight have until exit timeout - MARGIN (`deadline`) before the
 response thread ends them with UNAVAILABLE. The address, port and exit timeout come from tritonserver's command
 line (the stub's parent).
+
+Listed with the tritonserver workarounds: serving/workarounds.py, 'shutdown-cuts-streams-silently'.
 """
 from __future__ import annotations
 

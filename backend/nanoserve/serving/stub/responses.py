@@ -16,10 +16,11 @@ from typing import NamedTuple
 import numpy as np
 
 from nanoserve.engine.tokenize import token_decoder
-from nanoserve.serving.control import CancelById, Drain
-from nanoserve.serving.engine_thread import StepResult
-from nanoserve.serving.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
-from nanoserve.serving.request import UNAVAILABLE, ParsedRequest, name_prompt_input, prompt_input
+from nanoserve.serving.shared.engine_model import UNAVAILABLE
+from nanoserve.serving.stub.control import CancelById, Drain
+from nanoserve.serving.stub.engine_thread import StepResult
+from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
+from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input, prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ class ResponseThread:
 
     def _check_shutdown(self) -> None:
         """tritonserver is shutting down and its exit timeout is about to cut the requests in flight without a
-        word (serving/shutdown.py): end them with an error their clients see."""
+        word (serving/stub/shutdown.py): end them with an error their clients see."""
         deadline = None if self.shutdown_watch is None else self.shutdown_watch.deadline
         if deadline is not None and self.clock() >= deadline:
             self._end_all("the server is shutting down: its exit timeout ends this request")

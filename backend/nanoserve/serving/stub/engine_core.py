@@ -26,7 +26,7 @@ import msgspec
 from nanoserve.engine.executor import use_a_python_executable
 from nanoserve.engine.tokenize import max_prompt_bytes
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.engine_thread import EngineThread, StepResult, tokenized
+from nanoserve.serving.stub.engine_thread import EngineThread, StepResult, tokenized
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,13 @@ from pathlib import Path
 
 from nanoserve import openmp
 from nanoserve.cache import build_once, default_cache_dir
+from nanoserve.serving.serve import drain, liveness, triton_log
 from nanoserve.tiny_model import build_tiny_model
-from nanoserve.serving import drain, liveness, triton_log
 
 BACKEND_NAME = "nanoserve"
 STUB_NAME = "triton_python_backend_stub"
 SHM_DIR = Path("/dev/shm")
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # backend/nanoserve
+_PACKAGE_DIR = Path(__file__).resolve().parents[2]  # backend/nanoserve
 _live_servers: set["TritonServer"] = set()
 _counter = itertools.count()
 
@@ -265,7 +265,7 @@ class TritonServer:
 
     def drain(self, seconds: float, received: list[int] = ()) -> list[str]:
         """Before stop(): the engine models' requests in flight get up to `seconds` to finish, new ones are refused
-        (serving/drain.py). Returns why a model was not drained, one line each."""
+        (serving/serve/drain.py). Returns why a model was not drained, one line each."""
         return drain.drain(self.url_http, liveness.engine_models(self.url_http), seconds, received)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int | None:
@@ -395,7 +395,7 @@ def make_model_repository(dest, checkpoint, models=None, template=None, rename=N
     """Copy the model repository template (default: the repo's model_repository/; only `models` if given) to
     dest, each model under the name `rename` gives it (if any), and point every model.json at checkpoint
     (absolute paths), with engine_args merged in."""
-    from nanoserve.serving.model_json import PATH_ARGS, with_draft_path
+    from nanoserve.serving.shared.model_json import PATH_ARGS, with_draft_path
 
     template = Path(template) if template else (repo_root() or Path("/nonexistent")) / "model_repository"
     if not template.is_dir():

@@ -19,7 +19,7 @@ import os
 from nanoserve.coercion import optional_bool
 from nanoserve.config import EngineConfig, with_own_names
 from nanoserve.models.gguf import as_checkpoint_dir
-from nanoserve.serving.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
+from nanoserve.serving.shared.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VLLM_ENGINE_ARGS
 
 logger = logging.getLogger(__name__)
 PATH_ARGS = ("model", "tokenizer")

@@ -17,7 +17,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.models import MODELS
 from nanoserve.models.gguf import as_checkpoint_dir
 from nanoserve.models.lora import check_peft_adapter
-from nanoserve.serving.model_json import MULTI_LORA_JSON, load_engine_args, lora_modules
+from nanoserve.serving.shared.model_json import MULTI_LORA_JSON, load_engine_args, lora_modules
 
 EXPECTED_MODEL = "expected a Hugging Face checkpoint directory or a .gguf file"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
