@@ -31,13 +31,9 @@ import triton_python_backend_utils as pb_utils
 
 from nanoserve.coercion import optional_bool
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
-from nanoserve.serving.shared.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
-                                                 reports_vllm_metrics)
 from nanoserve.serving.stub import request as contract
 from nanoserve.serving.stub.control import Drain, control_event
-from nanoserve.serving.stub.engine_core import EngineCoreClient
 from nanoserve.serving.stub.engine_thread import EngineInProcess
-from nanoserve.serving.stub.ensemble import ended_token_arrays, token_formatter
 from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.stub.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
                                               text_formatter)
@@ -45,9 +41,9 @@ from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
-MODES = {  # mode -> (inputs, outputs, prompt input, formatter for the engine's tokenizer, a stream's early end)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input", text_formatter, None),
-    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids", token_formatter, ended_token_arrays),
+MODES = {  # mode -> (inputs, outputs, prompt input)
+    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input"),
+    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids"),
 }
 
 
@@ -90,7 +86,7 @@ class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         config = auto_complete_model_config
-        inputs, outputs, _, _, _ = MODES[_mode(config.as_dict())]
+        inputs, outputs, _ = MODES[_mode(config.as_dict())]
         for tensor in inputs:
             config.add_input(tensor)
         for tensor in outputs:
@@ -112,24 +108,13 @@ class TritonPythonModel:
         send_budget = _send_budget(model_config)  # checked before the engine loads
         every_step = optional_bool("send_every_step", _parameter(model_config, "send_every_step"))
         core_process = optional_bool("engine_core_process", _parameter(model_config, "engine_core_process"))
-        _, _, prompt_field, make_formatter, ended_arrays = MODES[self.mode]
+        _, _, prompt_field = MODES[self.mode]
+        make_formatter, ended_arrays = _formatting(self.mode)
         self.name = args["model_name"]
-        model_json = read_model_json(args["model_repository"], args["model_version"])
-        engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
-                                      args["model_instance_device_id"])
-        vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
-        adapters = lora_modules(args["model_repository"], args["model_version"])  # multi_lora.json
-
-        from nanoserve.config import EngineConfig  # heavy (torch): after the cheap checks
-
-        config = EngineConfig.from_kwargs(**engine_args)
+        config, adapters, vllm_metrics = _engine_config(args, model_config)
         self.max_model_len = config.max_model_len
         self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
-        engine = EngineCoreClient if core_process else EngineInProcess
-        try:
-            self.engine_core = engine(config, self.events, adapters)
-        except RuntimeError as e:
-            raise pb_utils.TritonModelException(str(e)) from None
+        self.engine_core = _start_engine(config, self.events, adapters, core_process)
         # The stub's heap is now torch, transformers (and the model, in this process): long-lived objects. Frozen,
         # a full collection (set off by the response thread's allocations) skips them instead of walking them all.
         gc.collect()
@@ -212,6 +197,46 @@ class TritonPythonModel:
         self.engine_core.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/stub/metrics.py: a family left for the stub's teardown crashes it
+
+
+# The engine's modules (torch, transformers) are imported by the functions below, when a model instance starts,
+# and not with this file: tritonserver first runs auto_complete_config in a stub process of its own, which then
+# starts without them (seconds of every model load).
+def _engine_config(args: dict, model_config: dict):
+    """The engine's configuration (model.json), its LoRA adapters (multi_lora.json) and whether the model reports
+    the vllm:* metrics."""
+    from nanoserve.config import EngineConfig
+    from nanoserve.serving.shared.model_json import (engine_args_of, instance_device, lora_modules, read_model_json,
+                                                     reports_vllm_metrics)
+
+    model_json = read_model_json(args["model_repository"], args["model_version"])
+    engine_args = instance_device(engine_args_of(model_json), args["model_instance_kind"],
+                                  args["model_instance_device_id"])
+    vllm_metrics = reports_vllm_metrics(_parameter(model_config, "REPORT_CUSTOM_METRICS"), model_json)
+    adapters = lora_modules(args["model_repository"], args["model_version"])
+    return EngineConfig.from_kwargs(**engine_args), adapters, vllm_metrics
+
+
+def _start_engine(config, events: queue.Queue, adapters: dict, core_process: bool):
+    """The engine: in an engine core process of its own (config.pbtxt parameter engine_core_process), else on a
+    thread of this stub."""
+    if core_process:
+        from nanoserve.serving.stub.engine_core import EngineCoreClient as engine
+    else:
+        engine = EngineInProcess
+    try:
+        return engine(config, events, adapters)
+    except RuntimeError as e:
+        raise pb_utils.TritonModelException(str(e)) from None
+
+
+def _formatting(mode: str):
+    """The mode's formatter (made for the engine's tokenizer) and a stream's early end."""
+    if mode == "text":
+        return text_formatter, None
+    from nanoserve.serving.stub.ensemble import ended_token_arrays, token_formatter
+
+    return token_formatter, ended_token_arrays
 
 
 def _num_speculative_tokens(config) -> int:

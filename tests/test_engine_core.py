@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.model_runner import PromptLogprobs
-from nanoserve.engine.output_processor import RequestOutput
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult

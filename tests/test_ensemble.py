@@ -10,7 +10,7 @@ from test_detokenizer import SAMPLE, TOKENIZERS
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.llm_engine import RequestOutput
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.serving.serve import liveness
 from nanoserve.serving.stub.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
                                              context_size, decode_delta, is_final, special_token_ids, token_arrays)

@@ -24,3 +24,25 @@ def test_a_checkout_folder_named_nanoserve_does_not_shadow_the_package(tmp_path)
     package_file, model_spec = done.stdout.splitlines()
     assert Path(package_file).resolve() == Path(nanoserve.__file__).resolve()
     assert model_spec == "None", "the install exposes backend/model.py as a top-level module `model`"
+
+
+IMPORT_BACKEND = """
+import importlib.util, sys
+sys.path.insert(0, sys.argv[1])  # triton_python_backend_utils, as the stub finds it
+spec = importlib.util.spec_from_file_location("backend_model", sys.argv[2])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+"""
+
+
+def test_the_backend_file_imports_no_torch():
+    """tritonserver first runs auto_complete_config in a stub process of its own, then starts the model's
+    instances: importing backend/model.py loads no torch or transformers, so that first stub takes no seconds."""
+    import pytriton
+
+    utils_dir = Path(pytriton.__file__).parent / "tritonserver" / "backends" / "python"
+    backend = Path(__file__).resolve().parents[1] / "backend" / "model.py"
+    done = subprocess.run([sys.executable, "-c", IMPORT_BACKEND, str(utils_dir), str(backend)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.engine.llm_engine import RequestOutput
-from nanoserve.engine.model_runner import PromptLogprobs
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
-from nanoserve.engine.llm_engine import LLMEngine, RequestOutput
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
 

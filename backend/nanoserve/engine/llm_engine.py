@@ -15,7 +15,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.lora import LoRAAdapter, LoRASlots
-from nanoserve.engine.output_processor import OutputProcessor, RequestOutput
+from nanoserve.engine.output_processor import OutputProcessor
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence

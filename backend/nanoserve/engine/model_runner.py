@@ -17,6 +17,7 @@ from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.draft_model import DraftModel
 from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
+from nanoserve.engine.outputs import PromptLogprobs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
 from nanoserve.engine.simulated_device import SimulatedDevice
 from nanoserve.engine.structured_output import TokenBitmask
@@ -34,15 +35,6 @@ from nanoserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits (a [rows, vocab] float32 tensor) are computed at once
-
-
-@dataclass
-class PromptLogprobs:
-    """Logprobs of consecutive prompt tokens, each given the tokens before it: per token its id, {token_id: logprob}
-    of the most likely tokens and itself, and its rank in the vocabulary."""
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # None where not computed yet
-    ranks: list[int]
 
 
 @dataclass

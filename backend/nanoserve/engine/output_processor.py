@@ -2,35 +2,16 @@
 and the RequestOutputs a step produces: every step it samples when streamed, else when it finishes."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import compress, count
 from operator import attrgetter
 
 import numpy as np
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.model_runner import PromptLogprobs, RunnerOutput
+from nanoserve.engine.model_runner import RunnerOutput
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
 from nanoserve.engine.scheduler import SampledSeqs
 from nanoserve.engine.sequence import Sequence
-
-
-@dataclass(slots=True)  # slots: one is built per streamed request per step, and that is cheaper with slots
-class RequestOutput:
-    """What one step produced for one request. `text_delta`s concatenate to the final text."""
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_output_tokens: int
-    cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
-    index: int = 0  # which of the request's n samples this output is about (finish_reason is that sample's)
-    # with the prompt_logprobs parameter: on the request's first output when streamed, else on its last
-    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Samples:

@@ -17,7 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from nanoserve.engine.output_processor import RequestOutput
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.thread_names import set_os_thread_name
 

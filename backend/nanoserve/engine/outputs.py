@@ -1,0 +1,33 @@
+"""What the engine gives out: a request's RequestOutputs, and the logprobs of its prompt. Plain data, so that
+whoever only carries them (the Triton stub, the engine core's messages) imports no torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of consecutive prompt tokens, each given the tokens before it: per token its id, {token_id: logprob}
+    of the most likely tokens and itself, and its rank in the vocabulary."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # None where not computed yet
+    ranks: list[int]
+
+
+@dataclass(slots=True)  # slots: one is built per streamed request per step, and that is cheaper with slots
+class RequestOutput:
+    """What one step produced for one request. `text_delta`s concatenate to the final text."""
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    cumulative_logprob: float | None = 0.0  # None for a request neither streamed nor asking for logprobs
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    new_logprob_ranks: list[int] = field(default_factory=list)  # each new token's rank, with new_logprobs
+    index: int = 0  # which of the request's n samples this output is about (finish_reason is that sample's)
+    # with the prompt_logprobs parameter: on the request's first output when streamed, else on its last
+    prompt_logprobs: PromptLogprobs | None = None
