@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
@@ -213,6 +213,30 @@ def test_merge_into_joins_a_requests_steps():
     assert merged[0].new_logprobs == [{5: -0.5}, {6: -0.5}, {7: -0.5}] and merged[0].new_logprob_ranks == [1, 1, 1]
     assert merged[0].finished and merged[0].num_output_tokens == 3 and merged[0].cumulative_logprob == -1.5
     assert merged[1] is b[0]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.text(max_size=3), st.integers(1, 5)), min_size=1, max_size=12),
+       st.data())
+def test_joined_deltas_are_the_whole_output(tokens, data):
+    """However a sample's tokens are cut into consecutive outputs, joining them gives one output with all of its
+    tokens, text, logprobs and ranks in order, the prompt logprobs of the first, and the last one's state."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(tokens) - 1), max_size=len(tokens) - 1))) \
+        if len(tokens) > 1 else []
+    pieces = [tokens[i:j] for i, j in zip([0, *cuts], [*cuts, len(tokens)])]
+    prompt = PromptLogprobs([1, 2], [None, {2: -1.0}], [1, 1])
+    outputs = [RequestOutput("r", [t for t, _, _ in piece], "".join(x for _, x, _ in piece), end == len(pieces),
+                             "stop" if end == len(pieces) else None, 4, sum(map(len, pieces[:end])),
+                             new_logprobs=[{t: -0.1 * t} for t, _, _ in piece],
+                             new_logprob_ranks=[rank for _, _, rank in piece],
+                             prompt_logprobs=prompt if end == 1 else None)
+               for end, piece in enumerate(pieces, 1)]
+    whole = outputs[0]
+    for output in outputs[1:]:
+        whole = joined(whole, output)
+    assert whole.new_token_ids == [t for t, _, _ in tokens] and whole.text_delta == "".join(x for _, x, _ in tokens)
+    assert whole.new_logprobs == [{t: -0.1 * t} for t, _, _ in tokens]
+    assert whole.new_logprob_ranks == [rank for _, _, rank in tokens]
+    assert whole.prompt_logprobs is prompt and whole.finished and whole.num_output_tokens == len(tokens)
 
 
 def test_text_arrays_streaming_and_not():

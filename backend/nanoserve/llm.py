@@ -23,13 +23,11 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per generated token, when SamplingParams.logprobs is set
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
-    def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
-        self.text += out.text_delta
-        self.token_ids.extend(out.new_token_ids)
-        self.cumulative_logprob = out.cumulative_logprob
-        if wants_logprobs:
-            self.logprobs = (self.logprobs or []) + out.new_logprobs
-        self.finish_reason = out.finish_reason or self.finish_reason
+    @classmethod
+    def of(cls, out: RequestOutput, wants_logprobs: bool) -> "CompletionOutput":
+        """A non-streamed sequence's one output: the engine joined its text, tokens and logprobs."""
+        return cls(out.index, out.text_delta, list(out.new_token_ids), out.cumulative_logprob,
+                   out.new_logprobs if wants_logprobs else None, out.finish_reason)
 
 
 @dataclass
@@ -51,7 +49,7 @@ class PromptOutput:
     finish_reason = property(lambda self: self.outputs[0].finish_reason)
 
     def add(self, out: RequestOutput, wants_logprobs: bool) -> None:
-        self.outputs[out.index].add(out, wants_logprobs)
+        self.outputs[out.index] = CompletionOutput.of(out, wants_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         if out.index == 0:
             self.num_cached_tokens = out.num_cached_tokens

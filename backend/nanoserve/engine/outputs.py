@@ -31,3 +31,15 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples this output is about (finish_reason is that sample's)
     # with the prompt_logprobs parameter: on the request's first output when streamed, else on its last
     prompt_logprobs: PromptLogprobs | None = None
+
+
+def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One sample's two consecutive outputs as one: `later`, holding `earlier`'s tokens, text and logprobs before
+    its own (its counts and finish state are the latest already). Sets later's fields in place: a server joins
+    outputs for every stream at every step."""
+    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
+    later.text_delta = earlier.text_delta + later.text_delta
+    later.new_logprobs = earlier.new_logprobs + later.new_logprobs
+    later.new_logprob_ranks = earlier.new_logprob_ranks + later.new_logprob_ranks
+    later.prompt_logprobs = earlier.prompt_logprobs or later.prompt_logprobs
+    return later

@@ -35,7 +35,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.shared.model_json import max_model_len_bound, tokenizer_dir
 from nanoserve.serving.stub.request import json_object, required, single, utf8
 from nanoserve.serving.stub.responses import (Entry, Generated, Stream, accumulate, finish_reason_text, optional_arrays,
-                                              string_array)
+                                              prompt_logprobs_of, string_array, whole_generated)
 
 CONTEXT_IDS = 16
 CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled
@@ -106,9 +106,7 @@ def token_arrays(stream: Stream, outputs: list, special_ids: frozenset = frozens
     else:
         if not accumulate(stream, outputs):
             return None
-        sample = stream.samples[0]
-        generated = Generated(sample.token_ids, sample.logprobs, sample.logprob_ranks)
-        window, prompt_logprobs = [], stream.prompt_logprobs
+        generated, window, prompt_logprobs = whole_generated(stream.samples[0]), [], prompt_logprobs_of(stream)
     return {**optional_arrays(request, [Entry("", generated, output)], prompt_logprobs, token_text),
             "output_ids": np.array(generated.token_ids, dtype=np.int32),
             "context_ids": np.array(window, dtype=np.int32),

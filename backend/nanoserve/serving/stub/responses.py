@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
@@ -32,9 +33,7 @@ class Sample:
     """One sequence of a request (one of its n samples) as the response thread sees it."""
     token_ids: list[int] = field(default_factory=list)  # all generated ids so far
     last: object = None  # its latest RequestOutput (finish reason, cumulative logprob); None before its first
-    text: str = ""  # non-streaming: accumulated output
-    logprobs: list = field(default_factory=list)  # non-streaming: accumulated per-token logprobs
-    logprob_ranks: list = field(default_factory=list)  # non-streaming: accumulated ranks of the sampled tokens
+    whole: object = None  # non-streaming: its outputs so far joined into one (text, logprobs, prompt logprobs)
 
 
 @dataclass
@@ -48,7 +47,6 @@ class Stream:
     cancelled: bool = False
     responded: bool = False  # a response was sent (the first one is never held back)
     samples: list[Sample] = field(init=False)  # the request's n sequences, by index
-    prompt_logprobs: object = None  # non-streaming: the request's PromptLogprobs, once they came
     formatter_state: object = None  # the formatter's own per-request state, if it keeps one
     # Cancelled by a CancelById: end with a final response (finish_reason "abort") instead of a CANCELLED error, so
     # that the ensemble ends as usual (an error from a step that is still streaming would keep Triton 2.51's
@@ -421,11 +419,7 @@ def merge_into(pending: dict, outputs) -> dict:
             continue
         for i, earlier in enumerate(merged):
             if earlier.index == output.index:
-                output.new_token_ids = earlier.new_token_ids + output.new_token_ids
-                output.text_delta = earlier.text_delta + output.text_delta
-                output.new_logprobs = earlier.new_logprobs + output.new_logprobs
-                output.new_logprob_ranks = earlier.new_logprob_ranks + output.new_logprob_ranks
-                output.prompt_logprobs = earlier.prompt_logprobs or output.prompt_logprobs
+                joined(earlier, output)
                 del merged[i]
                 break
         merged.append(output)  # the latest last: the one that finishes the request, if it has
@@ -486,10 +480,10 @@ def whole_text_arrays(stream: Stream, outputs: list, token_text, decode=None) ->
         return None
     prompt = stream.request.prompt
     prefix = "" if stream.request.exclude_input else prompt if isinstance(prompt, str) else decode(prompt)
-    entries = [Entry(prefix + sample.text, Generated(sample.token_ids, sample.logprobs, sample.logprob_ranks),
-                     sample.last) for sample in stream.samples]
+    entries = [Entry(prefix + sample.whole.text_delta, whole_generated(sample), sample.last)
+               for sample in stream.samples]
     return {"text_output": string_array([entry.text for entry in entries]),
-            **optional_arrays(stream.request, entries, stream.prompt_logprobs, token_text)}
+            **optional_arrays(stream.request, entries, prompt_logprobs_of(stream), token_text)}
 
 
 def streamed_entries(stream: Stream, outputs: list) -> list[Entry]:
@@ -505,16 +499,22 @@ def streamed_entries(stream: Stream, outputs: list) -> list[Entry]:
 
 
 def accumulate(stream: Stream, outputs: list) -> bool:
-    """A non-streamed request: keep each sample's text and logprobs, and the prompt's logprobs; True when the
-    request has finished."""
+    """A non-streamed request: join each sample's outputs into one; True when the request has finished."""
     for output in outputs:
         sample = stream.samples[output.index]
-        sample.text += output.text_delta
-        sample.logprobs += output.new_logprobs
-        sample.logprob_ranks += output.new_logprob_ranks
-        if output.prompt_logprobs is not None:
-            stream.prompt_logprobs = output.prompt_logprobs
+        sample.whole = output if sample.whole is None else joined(sample.whole, output)
     return outputs[-1].finished
+
+
+def whole_generated(sample: Sample) -> Generated:
+    """A non-streamed sample's tokens and their logprobs, once accumulated."""
+    return Generated(sample.token_ids, sample.whole.new_logprobs, sample.whole.new_logprob_ranks)
+
+
+def prompt_logprobs_of(stream: Stream):
+    """A non-streamed request's PromptLogprobs (on its first sample's outputs), or None."""
+    wholes = [sample.whole for sample in stream.samples if sample.whole is not None]
+    return next((whole.prompt_logprobs for whole in wholes if whole.prompt_logprobs is not None), None)
 
 
 def optional_arrays(request: ParsedRequest, entries: list[Entry], prompt_logprobs, token_text) -> dict:
