@@ -32,10 +32,12 @@ CPU_SLOWDOWN = 20  # --device cpu: the bounds are the GPU's times this (the inte
 # (pytest files, -k selection) of each test step; the engine step runs once per ENGINE_CONFIGS entry
 KERNEL_TESTS = (["tests/test_kernels_elementwise.py", "tests/test_kernels_attention.py", "tests/test_kernels_lora.py",
                  "tests/test_kernels_compile.py"], None)
-ENGINE_TESTS = (["tests/test_llm.py", "tests/test_model_runner.py", "tests/test_cuda_graph.py"],
+ENGINE_TESTS = (["tests/test_llm.py", "tests/test_model_runner.py", "tests/test_cuda_graph.py",
+                 "tests/test_spec_decode_draft.py"],
                 "greedy_matches_hf or independent_of_batch or cumulative_logprob or batched_prefill_then_decode "
                 "or mixed_prefill_chunks or execute_samples or triton_kernels_match or graph_replay_pads "
-                "or replay_matches_hf or eager_fallbacks or never_syncs or engine_graphs or verify_steps_replay")
+                "or replay_matches_hf or eager_fallbacks or never_syncs or engine_graphs or verify_steps_replay "
+                "or graphs_replay_the_drafts")
 # every section of client/bench_gpu.py once, at small sizes (issue 33's run measures at full size)
 SMOKE_ARGS = ["--budget-s", "60", "--decode-batches", "8", "--idle-batches", "8", "--idle-steps", "10", "--iters", "5",
               "--hf-subset", "4"]

@@ -109,6 +109,17 @@ def spy_replays(graphs: CUDAGraphRunner, monkeypatch) -> list[int]:
     return batches
 
 
+def spy_query_lens(graphs: CUDAGraphRunner, monkeypatch) -> list[int]:
+    """The max_query_len of each replay of graphs."""
+    query_lens, run = [], graphs.run
+
+    def spy(input_ids, positions, batch):
+        query_lens.append(batch.max_query_len)
+        return run(input_ids, positions, batch)
+    monkeypatch.setattr(graphs, "run", spy)
+    return query_lens
+
+
 # ---- capture ----
 def test_capture_largest_first_into_one_pool_after_a_warmup(tiny_models, monkeypatch):
     from nanoserve.kernels import ops
@@ -418,12 +429,7 @@ def test_engine_verify_steps_replay_and_equal_no_speculation(qwen3_dir, make_llm
     runner = llm.engine.executor.runner
     runner.graphs = runner.graph_runner()
     capture(runner.graphs, monkeypatch)
-    query_lens, run = [], runner.graphs.run
-
-    def spy(input_ids, positions, batch):
-        query_lens.append(batch.max_query_len)
-        return run(input_ids, positions, batch)
-    monkeypatch.setattr(runner.graphs, "run", spy)
+    query_lens = spy_query_lens(runner.graphs, monkeypatch)
     llm.engine.scheduler.proposer = ReplayProposer(prompts, base, wrong={3})
     assert generate(llm, prompts, params) == base
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0

@@ -372,3 +372,27 @@ def test_the_draft_cache_takes_its_share_of_the_budget(models, make_llm):
     alone = make_llm(target, cpu_kvcache_space_gib=0.01).stats()["num_total_blocks"]
     both = make_llm(target, cpu_kvcache_space_gib=0.01, speculative_config=draft(target)).stats()["num_total_blocks"]
     assert both == alone // 2
+
+
+def test_graphs_replay_the_drafts_proposals_and_the_verify_steps(models, make_llm, monkeypatch):
+    """Where the target replays CUDA graphs (fake ones on the CPU, whose replay runs the captured forward
+    eagerly), the draft's one-token forwards replay the draft's decode graphs and the target's verify steps its
+    verify graphs; the greedy tokens stay the target's."""
+    from test_cuda_graph import capture, spy_query_lens, use_triton_kernels
+
+    use_triton_kernels(monkeypatch)
+    target, prompts = models["target"], random_prompts(seed=14)[1:3]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = generate(make_llm(target, kvcache_block_size=BLOCK), prompts, params)
+    llm = make_llm(target, kvcache_block_size=BLOCK, attention_backend="triton", num_kvcache_blocks=32,
+                   max_num_seqs=4, speculative_config=draft(target))
+    runner = llm.engine.executor.runner
+    runner.graphs, runner.draft.graphs = runner.graph_runner(), runner.draft_graph_runner()
+    query_lens = {}
+    for name, graphs in (("target", runner.graphs), ("draft", runner.draft.graphs)):
+        capture(graphs, monkeypatch)
+        query_lens[name] = spy_query_lens(graphs, monkeypatch)
+    assert generate(llm, prompts, params) == base
+    assert max(query_lens["target"]) > 1  # verify steps replayed
+    assert query_lens["draft"] and set(query_lens["draft"]) == {1}  # the draft's decode forwards replayed
+

@@ -6,7 +6,8 @@ Each step it computes the tokens the target computes, but for the proposals (so 
 target's does, prefix-cached blocks included), then proposes each speculating row's tokens greedily, one forward
 per proposed token; the forward of the last proposal writes only its KV. A proposal is the draft's argmax, a
 point mass, so the runner's verify() keeps the target's distribution exactly; rejected proposals' KV is written
-again when those positions are computed."""
+again when those positions are computed. Where the target replays CUDA graphs, the draft replays its own decode
+graphs (`graphs`, set by the runner): its one-token-per-row forwards are decode steps."""
 from __future__ import annotations
 
 import sys
@@ -17,6 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, StepInputs
 from nanoserve.layers.attention import Attention, AttentionBackend, AttentionBatch
 from nanoserve.layers.linear import pack_cpu_weights
@@ -41,6 +43,7 @@ class DraftModel:
         pack_cpu_weights(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: CUDAGraphRunner | None = None
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         first = self.attention_layers[0]
@@ -82,7 +85,10 @@ class DraftModel:
             inputs.block_tables)
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
-        hidden = self.model(input_ids, positions, self.backend.build(batch), None)
+        if self.graphs is not None and self.graphs.can_run(len(seq_lens), block_tables.shape[1], batch.max_query_len):
+            hidden = self.graphs.run(input_ids, positions, batch)
+        else:
+            hidden = self.model(input_ids, positions, self.backend.build(batch), None)
         if sampled is None:
             return None
         index = torch.from_numpy(np.asarray(sampled, dtype=np.int64)).to(self.device)

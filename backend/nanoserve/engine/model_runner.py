@@ -128,6 +128,8 @@ class ModelRunner:
                                                  device=self.device))
         if self.device.type == "cuda" and not self.config.enforce_eager and self.backend.capturable:
             self.graphs = self.graph_runner().capture()
+            if self.draft is not None:
+                self.draft.graphs = self.draft_graph_runner().capture()
         return num_blocks
 
     def graph_runner(self) -> CUDAGraphRunner:
@@ -140,6 +142,12 @@ class ModelRunner:
             max_verify_seqs = spec.disable_by_batch_size - 1
         return CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq, c.max_model_len,
                                c.hf_config.hidden_size, self.dtype, self.device, verify_len, max_verify_seqs)
+
+    def draft_graph_runner(self) -> CUDAGraphRunner:
+        """The draft model's decode graphs: each proposed token is a one-token-per-row forward of the draft."""
+        c, draft = self.config, self.draft.model
+        return CUDAGraphRunner(draft, self.backend, c.max_num_seqs, self.max_blocks_per_seq, c.max_model_len,
+                               draft.config.hidden_size, self.dtype, self.device)
 
     def _kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         first = self.attention_layers[0]
@@ -357,6 +365,7 @@ class ModelRunner:
         self.graphs = None
         self._bind_kv_cache(None)
         if self.draft is not None:
+            self.draft.graphs = None
             self.draft.bind_kv_cache(None)
 
 
