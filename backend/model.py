@@ -35,8 +35,8 @@ from nanoserve.serving.stub import request as contract
 from nanoserve.serving.stub.control import Drain, control_event
 from nanoserve.serving.stub.engine_thread import EngineInProcess
 from nanoserve.serving.stub.metrics import Metrics
-from nanoserve.serving.stub.responses import (DEFAULT_SEND_BUDGET, Register, Reject, ResponseThread, Stream,
-                                              text_formatter)
+from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET
+from nanoserve.serving.stub.responses import Register, Reject, ResponseThread, Stream, text_formatter
 from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def _mode(model_config: dict) -> str:
 
 
 def _send_budget(model_config: dict) -> float:
-    """config.pbtxt parameter `send_budget` (see ResponseThread): the share of wall time streaming may spend
+    """config.pbtxt parameter `send_budget` (serving/stub/pacing.py): the share of wall time streaming may spend
     sending responses; 1 sends every engine step at once."""
     value = model_config.get("parameters", {}).get("send_budget", {}).get("string_value", "")
     try:

@@ -17,8 +17,9 @@ from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
 from nanoserve.serving.stub.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
                                             TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
-from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, merge_into,
-                                              text_arrays, vllm_logprobs)
+from nanoserve.serving.stub.pacing import merge_into
+from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, text_arrays,
+                                              vllm_logprobs)
 
 
 def formatted(stream, output, every_step=False):
@@ -334,7 +335,7 @@ def run_streams(send_budget, send_seconds, step_seconds=0.05, num_streams=4, num
     for step in range(num_steps):
         clock.now += step_seconds
         thread.handle_events([StepResult(outputs=[outputs[step] for outputs in per_request], time=clock.now)])
-    assert thread.handle_events([STOP]) and not thread.pending and not thread.streams
+    assert thread.handle_events([STOP]) and not thread.pacer.pending and not thread.streams
     return senders, "".join(d for _, d in pieces)
 
 
@@ -378,7 +379,7 @@ def test_every_step_sends_each_step_even_held_back_text_at_any_sending_cost():
     outputs = outputs_of("a", [(5, "He"), (6, ""), (7, ""), (8, "llo")])
     thread.handle_events([StepResult(outputs=[outputs[0]], time=clock.now)])
     thread.handle_events([StepResult(outputs=[output], time=clock.now) for output in outputs[1:]])
-    assert sender.sent == [("He", False), ("", False), ("", False), ("llo", True)] and not thread.pending
+    assert sender.sent == [("He", False), ("", False), ("", False), ("llo", True)] and not thread.pacer.pending
 
 
 def test_non_streaming_sends_one_response_whatever_the_pacing():
@@ -414,7 +415,7 @@ def test_n_samples_send_one_entry_each_streamed_or_not():
         thread.handle_events([StepResult(outputs=outputs, time=2.0) for outputs in steps[1:]])  # one round
         sent[mode] = [([t.decode() for t in r["text_output"]], [f.decode() for f in r["finish_reason"]],
                        r["num_output_tokens"].tolist(), bool(final)) for r, final in sender.sent]
-        assert not thread.streams and not thread.pending
+        assert not thread.streams and not thread.pacer.pending
     assert sent["every_step"] == [(["A", "B"], ["None", "None"], [1, 1], False),
                                   (["C", ""], ["length", "None"], [1, 0], False),
                                   (["", "D"], ["length", "stop"], [0, 1], True)]

@@ -21,6 +21,7 @@ from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
+from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
 from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input, prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
@@ -79,7 +80,6 @@ class Reject:
 
 
 STOP = object()
-DEFAULT_SEND_BUDGET = 0.1
 CANCEL_CHECKS_PER_ROUND = 8  # 64 streams: each asked every 0.8 s
 
 
@@ -88,24 +88,16 @@ class ResponseThread:
     the request has finished). `outputs` are the request's RequestOutputs to send, one per sample that has any
     (merged), after each sample's token_ids and last output were updated with them.
 
-    A response costs CPU per response, not per token: an IPC round trip to tritonserver, which then builds it,
-    serializes it and writes it to the client, all on the cores the engine runs on. So outputs wait in
-    `pending`, merged per request, and the regular flush of all of them is paced to take at most
-    `send_budget` of the wall time: after a flush that took d seconds the next comes d / send_budget after it
-    began. With a few streams a flush takes far less than an engine step and every step is sent at once; with
-    many, each response carries the steps that came meanwhile. A request's first and last responses are sent
-    at once: time to first token and end-to-end latency never wait.
-
-    every_step: vllm_backend's streaming instead: each engine step's output is sent at once, one response per
-    step and request (the formatter then sends held-back text as an empty delta); no merging, no pacing.
+    The Pacer (pacing.py, send_budget and every_step) decides when outputs go; a request's first and last
+    responses are urgent: time to first token and end-to-end latency never wait. With every_step the formatter
+    sends held-back text as an empty delta.
     """
 
     def __init__(self, pb_utils, events: queue.Queue, engine_core, metrics, formatter, prompt_field: str,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
                  every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
                  ended_arrays=None):
-        if not 0 < send_budget <= 1:
-            raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
+        self.pacer = Pacer(send_budget, every_step, clock)
         self.pb = pb_utils
         self.events = events
         self.engine_core = engine_core
@@ -113,8 +105,6 @@ class ResponseThread:
         self.formatter = formatter
         self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
         self.cancel_check_interval = cancel_check_interval
-        self.send_budget = send_budget
-        self.every_step = every_step
         self.clock = clock
         self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_core.failure
         self._engine_failed = False
@@ -124,8 +114,6 @@ class ResponseThread:
         self.ended_arrays = ended_arrays
         self.drains: list[Drain] = []  # drain controls to answer once every stream has ended
         self.streams: dict[str, Stream] = {}
-        self.pending: dict[str, list] = {}  # request_id -> its merged RequestOutputs not sent yet (merge_into)
-        self._next_flush = 0.0  # clock() before which only first and last responses are sent
         self._next_check = 0.0
         self._next_publish = 0.0  # clock() from which recorded metrics are published
         self._cancel_cursor = 0  # where the next round of cancellation checks starts in self.streams
@@ -190,8 +178,8 @@ class ResponseThread:
     def _wait_time(self) -> float | None:
         """Until the next cancellation check, flush or metrics publish that is due; None: nothing is."""
         deadlines = [self._next_check] if self.streams else []
-        if self.pending:
-            deadlines.append(self._next_flush)
+        if self.pacer.pending:
+            deadlines.append(self.pacer.next_flush)
         if self.metrics.unpublished:
             deadlines.append(self._next_publish)
         return max(min(deadlines) - self.clock(), 0.0) if deadlines else None
@@ -219,24 +207,10 @@ class ResponseThread:
                 self._fail(request_id, message, self.pb.TritonError.INTERNAL)
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
-        if self.every_step:  # one response per step and request
-            for step in steps:
-                for request_id, outputs in merge_into({}, step.outputs).items():
-                    self._send_output(request_id, outputs)
-        else:
-            merge_into(self.pending, [output for step in steps for output in step.outputs])  # after counting
+        self.pacer.add([step.outputs for step in steps], self._send_output)  # after counting: merging joins them
 
     def _flush(self, force: bool = False) -> None:
-        """Send the pending outputs that are due: all of them at the paced flush, else only the urgent ones."""
-        start = self.clock()
-        regular = force or start >= self._next_flush
-        due = [(request_id, outputs) for request_id, outputs in self.pending.items()
-               if regular or self._urgent(request_id, outputs)]
-        for request_id, outputs in due:
-            del self.pending[request_id]
-            self._send_output(request_id, outputs)
-        if regular and due:
-            self._next_flush = start + (self.clock() - start) / self.send_budget
+        self.pacer.flush(self._send_output, self._urgent, force)
 
     def _urgent(self, request_id: str, outputs: list) -> bool:
         stream = self.streams.get(request_id)
@@ -405,25 +379,6 @@ def next_turn(keys: list, cursor: int, count: int = CANCEL_CHECKS_PER_ROUND) -> 
     start = cursor % len(keys)
     turn = (keys[start:] + keys[:start])[:count]
     return turn, start + len(turn)
-
-
-def merge_into(pending: dict, outputs) -> dict:
-    """Add outputs to pending (request_id -> its outputs, one per sample that has any, the latest last) and return
-    it: a sample's consecutive outputs joined (tokens, text, logprobs) into its latest one, which has the latest
-    counts and finish state. Runs for every streamed request at every step, so it sets the joined fields in place
-    rather than copying the dataclass."""
-    for output in outputs:
-        merged = pending.get(output.request_id)
-        if merged is None:
-            pending[output.request_id] = [output]
-            continue
-        for i, earlier in enumerate(merged):
-            if earlier.index == output.index:
-                joined(earlier, output)
-                del merged[i]
-                break
-        merged.append(output)  # the latest last: the one that finishes the request, if it has
-    return pending
 
 
 # ---- formatters: (stream, RequestOutputs) -> arrays ----------------------------------------------------
