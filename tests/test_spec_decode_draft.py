@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 
 import numpy as np
@@ -337,7 +338,8 @@ def test_penalties_and_logprobs_at_every_proposed_position(models, make_llm):
 
 
 def test_lora_and_structured_outputs(tiny_models, lora_adapters, make_llm):
-    """The draft proposes without adapters and for no row with a grammar; the target's output is unchanged."""
+    """The draft proposes without adapters, and within the grammar for a row that has one; the target's output is
+    unchanged."""
     model_dir = tiny_models["qwen3"]
     prompts = random_prompts(seed=10)[:4]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, lora_name=name)
@@ -353,6 +355,25 @@ def test_lora_and_structured_outputs(tiny_models, lora_adapters, make_llm):
         outputs.append(generate(llm, prompts, params))
     assert outputs[0] == outputs[1]
     assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", ["target", "cut"])
+def test_structured_outputs_are_speculated_within_their_grammar(models, make_llm, name):
+    """A draft proposes for rows with a grammar too, its proposals unchecked: the mask covers each verified
+    position up to the first proposal the grammar rejects (or that would end it), where the target's token, drawn
+    within the grammar, rejects it. The target as its own draft proposes what the grammar allows; its first layer
+    alone proposes tokens the grammar rejects. The output equals decoding without speculation, inside the regex."""
+    target, prompts = models["target"], random_prompts(seed=15)[:3]
+    regex = "[a-z]+( [a-z]+){1,20}"
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"regex": regex})
+    base = generate(make_llm(target, kvcache_block_size=BLOCK), prompts, params)
+    llm = make_llm(target, kvcache_block_size=BLOCK, speculative_config=draft(models[name]))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == base and all(re.fullmatch(regex, o.text) for o in got)
+    stats = spec_stats(llm)
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    if name == "target":  # its unmasked greedy proposals are accepted wherever the grammar allows them
+        assert stats["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_triton_attention_backend(models, make_llm):

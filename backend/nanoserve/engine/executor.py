@@ -12,9 +12,8 @@ from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, init_tp
-from nanoserve.engine.model_runner import ModelRunner, RunnerOutput, pick_device
+from nanoserve.engine.model_runner import BitmaskOf, ModelRunner, RunnerOutput, pick_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
-from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.thread_names import set_os_thread_name
 
 
@@ -36,12 +35,12 @@ class Executor:
             self.shutdown()
             raise
 
-    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+    def execute(self, out: SchedulerOutput, bitmask_of: BitmaskOf | None = None,
                 while_running: Callable[[], None] | None = None) -> RunnerOutput:
-        """One step on every rank; the bitmask of structured outputs only to rank 0, which samples, and which calls
+        """One step on every rank; rank 0 makes the bitmask of structured outputs, samples, and calls
         while_running once the step is launched (see ModelRunner.execute)."""
         self._send_workers("execute", (out,))
-        return self.runner.execute(out, bitmask, while_running)
+        return self.runner.execute(out, bitmask_of, while_running)
 
     def call(self, method: str, *args):
         """Run runner.<method>(*args) on every rank; returns rank 0's result."""

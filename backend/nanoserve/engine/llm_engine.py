@@ -195,7 +195,7 @@ class LLMEngine:
         processor = self.output_processor
         emit_deferred = (lambda: outputs.extend(processor.emit_deferred())) if overlap else None
         try:
-            sampled = self.executor.execute(scheduled, self._token_bitmask(scheduled), emit_deferred)
+            sampled = self.executor.execute(scheduled, self._token_bitmask, emit_deferred)
         except BaseException:
             self.pending_outputs += outputs  # made before the step failed: they come with the next one
             raise
@@ -212,7 +212,8 @@ class LLMEngine:
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
 
     def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:
-        """The tokens the step's sampling rows with structured outputs may take (None when no request has them)."""
+        """The tokens the step's sampling rows with structured outputs may take (None when no request has them),
+        at each proposed position too (a draft model's proposals are in `scheduled` by the time the runner asks)."""
         if not self.output_processor.constrained:
             return None
         grammars = [seq.grammar for seq in compress(self.scheduler.running, scheduled.samples)]

@@ -34,6 +34,7 @@ from nanoserve.sampling_params import SamplingParams
 
 
 logger = logging.getLogger(__name__)
+BitmaskOf = Callable[[SchedulerOutput], TokenBitmask | None]  # a step's structured-outputs bitmask, once proposed
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits (a [rows, vocab] float32 tensor) are computed at once
 
 
@@ -200,14 +201,16 @@ class ModelRunner:
         return scratch_bytes
 
     # ---- one step ----
-    def execute(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+    def execute(self, out: SchedulerOutput, bitmask_of: BitmaskOf | None = None,
                 while_running: Callable[[], None] | None = None) -> RunnerOutput | None:
-        """Apply the step's diffs, run it and sample (within the bitmask of the rows with structured outputs):
-        rank 0's RunnerOutput (None on the other ranks). while_running: host work to do once the forward is
-        launched, before its results are read (on a GPU it overlaps the device's work; on the CPU it follows)."""
+        """Apply the step's diffs, run it and sample (within bitmask_of(out), the bitmask of the rows with
+        structured outputs, made once a draft model has proposed into out): rank 0's RunnerOutput (None on the
+        other ranks). while_running: host work to do once the forward is launched, before its results are read
+        (on a GPU it overlaps the device's work, as the bitmask's does; on the CPU it follows)."""
         if self.simulated is not None:
-            return self.simulate(out, bitmask, while_running)
+            return self.simulate(out, bitmask_of, while_running)
         logits = self.run_model(out)
+        bitmask = None if bitmask_of is None or get_tp_rank() else bitmask_of(out)
         if while_running is not None:
             while_running()
         return None if logits is None else self.sample(logits, bitmask)
@@ -244,7 +247,7 @@ class ModelRunner:
         return self.batch.prepare(out)
 
     @torch.inference_mode()
-    def simulate(self, out: SchedulerOutput, bitmask: TokenBitmask | None = None,
+    def simulate(self, out: SchedulerOutput, bitmask_of: BitmaskOf | None = None,
                  while_running: Callable[[], None] | None = None) -> RunnerOutput | None:
         """execute() on the simulated device: the same host work (inputs prepared and uploaded, then the sampling
         metadata while the device runs), random ids for the forward and the sampler's math."""
@@ -257,7 +260,7 @@ class ModelRunner:
                                      self.config.hf_config.vocab_size)
         if get_tp_rank():
             return None
-        meta = self.batch.sampling_metadata(self.device, bitmask)
+        meta = self.batch.sampling_metadata(self.device, None if bitmask_of is None else bitmask_of(out))
         if while_running is not None:
             while_running()
         token_ids = step.token_ids()

@@ -172,10 +172,11 @@ class Scheduler:
                 break
             seq = self.running[row]
             limit = min(self.speculative.num_speculative_tokens, budget, int(max_num_tokens[row] - num_tokens[row]) - 1)
-            if limit <= 0 or (seq.grammar is not None and self.proposer is None):  # a draft model's: no grammar
+            if limit <= 0:
                 continue
             draft = self.proposer.propose(seq.token_ids, limit) if self.proposer is not None else None
-            if seq.grammar is not None:  # structured outputs: the proposals the grammar allows
+            # structured outputs: the proposals the grammar allows (a draft model's are checked by the bitmask)
+            if seq.grammar is not None and draft is not None:
                 draft = draft[:seq.grammar.valid_prefix(draft)]
             drafts[row] = self._room_for(row, limit if draft is None else len(draft), out)
             draft_ids += draft[:drafts[row]] if draft is not None else []

@@ -55,14 +55,18 @@ class Grammar:
         self.matcher.rollback(accepted)
         return accepted - ends
 
-    def fill_with_proposals(self, bitmask: torch.Tensor, first_row: int, proposals: list[int]) -> None:
-        """The bitmask rows first_row .. + len(proposals) of a row that verifies proposals (all allowed: see
-        valid_prefix): the tokens allowed after the request's output so far and after each proposal."""
+    def fill_with_proposals(self, bitmask: torch.Tensor, first_row: int, proposals: list[int]) -> int:
+        """The bitmask rows of a row that verifies proposals: the tokens allowed after the request's output so
+        far and after each proposal, up to the first proposal the grammar rejects or that would end it (a draft
+        model's proposals are not checked before). The target's token there is sampled within the grammar, so it
+        rejects such a proposal and the rows after it are never emitted. Returns the number of rows filled."""
+        proposals = proposals[:self.valid_prefix(proposals)]
         for offset, token_id in enumerate(proposals):
             self.matcher.fill_next_token_bitmask(bitmask, first_row + offset)
             self.matcher.accept_token(token_id)
         self.matcher.fill_next_token_bitmask(bitmask, first_row + len(proposals))
         self.matcher.rollback(len(proposals))
+        return len(proposals) + 1
 
     def catch_up(self, output_token_ids: list[int]) -> None:
         """Accept the output tokens the matcher has not seen (after a step failed half-way through its outputs)."""
@@ -119,8 +123,8 @@ class StructuredOutputManager:
             self.batch_matcher.batch_fill_next_token_bitmask([grammars[row].matcher for row in plain], bitmask, rows)
         for row in drafted:
             proposals = draft_token_ids[starts[row]:starts[row] + num_drafts[row]].tolist()
-            grammars[row].fill_with_proposals(bitmask, int(firsts[row]), proposals)
-            rows += range(int(firsts[row]), int(firsts[row]) + len(proposals) + 1)
+            filled = grammars[row].fill_with_proposals(bitmask, int(firsts[row]), proposals)
+            rows += range(int(firsts[row]), int(firsts[row]) + filled)
         return TokenBitmask(bitmask, rows)
 
 
