@@ -35,9 +35,9 @@ class DraftModel:
         with torch.device(device), default_dtype(config.torch_dtype):
             self.model = get_model_class(hf)(hf, backend)
         load_weights(self.model, self.path)
-        quantization = config.quantization if device.type == "cpu" else "none"
-        chosen = quantize_weights(self.model, quantization, config.torch_dtype)
-        print(f"nanoserve: draft model weights (quantization={quantization}): {chosen}", file=sys.stderr, flush=True)
+        chosen = quantize_weights(self.model, config.quantization, config.torch_dtype)
+        print(f"nanoserve: draft model weights (quantization={config.quantization}): {chosen}", file=sys.stderr,
+              flush=True)
         pack_cpu_weights(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None

@@ -97,7 +97,7 @@ class ModelRunner:
     # ---- setup ----
     def _quantize_weights(self) -> None:
         """The weights' formats (the quantization engine argument), said once, by rank 0."""
-        quantization = self.config.quantization if self.device.type == "cpu" else "none"
+        quantization = self.config.quantization  # on the CPU torch's kernels, on CUDA the Triton ones
         chosen = quantize_weights(self.model, quantization, self.dtype)
         if get_tp_rank() == 0:
             print(f"nanoserve: weights (quantization={quantization}, --quantization none for float): {chosen}",
