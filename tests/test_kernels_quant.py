@@ -196,3 +196,13 @@ def test_gguf_codes_keep_their_scales_on_the_triton_path(triton_path):
     x = activations(3, 64, torch.float32, seed=5)
     expected = F.linear(x, groups.dequantize().to(DEVICE), model.up.bias)
     torch.testing.assert_close(model.up(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_not_in_whole_groups_get_int8(triton_path):
+    """int4 at load needs whole groups of 32 inputs: a layer of 40 gets int8, on the Triton path too."""
+    with torch.device(DEVICE):
+        model = nn.Sequential(RowParallelLinear(40, 16))
+    model[0].weight.data.normal_()
+    assert quantize_weights(model, "int4", torch.float32) == "int8: 1"
+    x = activations(2, 40, torch.float32, seed=6)
+    torch.testing.assert_close(model[0](x), F.linear(x, model[0].packed_weight.dequantize()))
