@@ -164,3 +164,33 @@ def add_lora_ref(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
         delta = torch.cat([shrunk[:, i * rank:(i + 1) * rank] @ b[start:start + size].T
                            for i, (start, size) in enumerate(parts)], dim=1)
         y.index_add_(0, rows, delta)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 in [0, 15], K even) -> [N, K / 2] uint8: code 2j in byte j's low nibble, code
+    2j + 1 in its high one (the layout of kernels/quant_matmul.py)."""
+    pairs = codes.reshape(codes.shape[0], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [N, K / 2] uint8 -> codes [N, K] uint8."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4_groups(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K]: codes * scale + offset of each code's group (scale, offset [N, K / group])."""
+    codes = unpack_int4(packed)
+    group = codes.shape[1] // scale.shape[1]
+    return codes.float() * scale.float().repeat_interleave(group, 1) + offset.float().repeat_interleave(group, 1)
+
+
+def int8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (codes [N, K] int8 * scale [N])^T in x's dtype: the weight dequantized, then F.linear."""
+    return F.linear(x, (codes.float() * scale.float()[:, None]).to(x.dtype))
+
+
+def int4_group_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          offset: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ dequantize_int4_groups(packed, scale, offset)^T in x's dtype."""
+    return F.linear(x, dequantize_int4_groups(packed, scale, offset).to(x.dtype))

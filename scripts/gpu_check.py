@@ -31,7 +31,7 @@ CPU_SLOWDOWN = 20  # --device cpu: the bounds are the GPU's times this (the inte
 
 # (pytest files, -k selection) of each test step; the engine step runs once per ENGINE_CONFIGS entry
 KERNEL_TESTS = (["tests/test_kernels_elementwise.py", "tests/test_kernels_attention.py", "tests/test_kernels_lora.py",
-                 "tests/test_kernels_compile.py"], None)
+                 "tests/test_kernels_quant.py", "tests/test_kernels_compile.py"], None)
 ENGINE_TESTS = (["tests/test_llm.py", "tests/test_model_runner.py", "tests/test_cuda_graph.py",
                  "tests/test_spec_decode_draft.py"],
                 "greedy_matches_hf or independent_of_batch or cumulative_logprob or batched_prefill_then_decode "

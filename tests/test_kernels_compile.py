@@ -48,7 +48,8 @@ def _ptxas_report(kernel) -> str:
 def _kernels():
     """(label, kernel fn, arg types, constexprs, num_warps, num_stages) at Qwen3-like shapes; the
     constexprs and warps follow what the launchers in kernels/ pick for those shapes."""
-    from nanoserve.kernels import activation, decode_attention, kv_store, prefill_attention, rmsnorm, rotary
+    from nanoserve.kernels import (activation, decode_attention, kv_store, prefill_attention, quant_matmul, rmsnorm,
+                                   rotary)
 
     bf16, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     attn = dict(q_ptr=bf16, k_cache_ptr=bf16, v_cache_ptr=bf16, out_ptr=bf16, block_tables_ptr=i32,
@@ -85,6 +86,16 @@ def _kernels():
            dict(Q_HEADS=16, K_HEADS=8, Q_HEADS_PAD=16, K_HEADS_PAD=8, HALF=64, HALF_PAD=64), 4, 3)
     yield ("silu_and_mul", activation._silu_and_mul_kernel, dict(x_ptr=bf16, out_ptr=bf16),
            dict(N=3072, BLOCK=1024), 4, 3)
+    blocks = dict(BLOCK_N=quant_matmul.BLOCK_N)
+    for x_type, block_m in [(bf16, 16), (bf16, 64), (f32, 16), (f32, 32)]:  # decode and prefill rows
+        act = dict(x_ptr=x_type, y_ptr=x_type)
+        yield (f"int8_matmul {x_type[1:]} block_m={block_m}", quant_matmul._quant_matmul_kernel,
+               act | dict(w_ptr="*i8", scale_ptr=bf16, offset_ptr=bf16),
+               blocks | dict(FOUR_BIT=False, DOT_FP32=x_type == f32, BLOCK_M=block_m,
+                             BLOCK_K=quant_matmul.BLOCK_K_FP32 if x_type == f32 else quant_matmul.BLOCK_K), 4, 2)
+        yield (f"int4_group_matmul {x_type[1:]} block_m={block_m}", quant_matmul._quant_matmul_kernel,
+               act | dict(w_ptr="*u8", scale_ptr=f32, offset_ptr=f32),
+               blocks | dict(FOUR_BIT=True, DOT_FP32=x_type == f32, BLOCK_M=block_m, BLOCK_K=32), 4, 2)
 
 
 def main() -> int:

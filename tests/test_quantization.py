@@ -182,6 +182,27 @@ def test_each_layer_gets_the_format_chosen(tiny_llama, qtype, quantization, line
     assert f"nanoserve: weights (quantization={quantization}" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_gguf_model_on_the_triton_path_equals_its_reference(tiny_llama, qtype, make_llm, monkeypatch):
+    """CUDA's path (PackedInt4Weight and Int8Weight through the Triton kernels; here in the interpreter on the CPU's
+    float32): the engine's prompt logprobs equal those of the same weights through the references (dequantize,
+    then F.linear) up to float32 sums."""
+    from nanoserve.layers import quantization
+    from nanoserve.models import quantize
+
+    monkeypatch.setenv("NANOSERVE_CACHE", tiny_llama[2])
+    for module in (quantization, quantize):
+        monkeypatch.setattr(module, "runs_triton", lambda weight: True)
+    triton_llm = make_llm(tiny_llama[1][qtype], num_kvcache_blocks=32)
+    linears = {type(module.packed_weight).__name__ for module in triton_llm.engine.executor.runner.model.modules()
+               if isinstance(module, LinearBase)}
+    assert linears == {"PackedInt4Weight" if qtype == "Q4_1" else "Int8Weight"}
+    got = prompt_logprobs(triton_llm, TINY_PROMPTS)
+    monkeypatch.setattr(quantization, "cuda_op", lambda name: None)  # the references
+    expected = prompt_logprobs(make_llm(tiny_llama[1][qtype], num_kvcache_blocks=32), TINY_PROMPTS)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def greedy_agreement(float_llm, quantized_llm, prompts, tokens: int):
     """(prompts whose first `tokens` greedy tokens are equal, the largest |logprob difference| of a chosen token
     while the two agree)."""
@@ -302,5 +323,5 @@ def test_the_quantization_argument_is_checked(tiny_llama):
     assert EngineConfig.from_kwargs(hf_dir, device="cpu", **flags).quantization == "none"
     with pytest.raises(ValueError, match="quantization: must be one of auto, none, int8, int4, got 'int3'"):
         EngineConfig.from_kwargs(hf_dir, device="cpu", quantization="int3")
-    with pytest.raises(ValueError, match="quantization: int8 weights run on the CPU only"):
-        EngineConfig.from_kwargs(hf_dir, device="cuda", quantization="int8")
+    for quantization in ("int8", "int4"):  # on CUDA too: the Triton kernels (tests/test_kernels_quant.py)
+        assert EngineConfig.from_kwargs(hf_dir, device="cuda", quantization=quantization).quantization == quantization

@@ -24,7 +24,7 @@ from nanoserve.layers.attention import Attention, AttentionBackend, AttentionBat
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.models.loader import default_dtype
-from nanoserve.models.quantize import quantize_weights
+from nanoserve.models.quantize import on_device, quantize_weights
 
 
 class DraftModel:
@@ -37,7 +37,7 @@ class DraftModel:
         with torch.device(device), default_dtype(config.torch_dtype):
             self.model = get_model_class(hf)(hf, backend)
         load_weights(self.model, self.path)
-        quantization = config.quantization if device.type == "cpu" else "none"
+        quantization = on_device(config.quantization, device)
         chosen = quantize_weights(self.model, quantization, config.torch_dtype)
         print(f"nanoserve: draft model weights (quantization={quantization}): {chosen}", file=sys.stderr, flush=True)
         pack_cpu_weights(self.model)

@@ -29,7 +29,7 @@ from nanoserve.layers.sampler import Sampler, token_logprobs
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.models.loader import default_dtype
 from nanoserve.models.lora import LoRAStore
-from nanoserve.models.quantize import quantize_weights
+from nanoserve.models.quantize import on_device, quantize_weights
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -98,7 +98,7 @@ class ModelRunner:
     # ---- setup ----
     def _quantize_weights(self) -> None:
         """The weights' formats (the quantization engine argument), said once, by rank 0."""
-        quantization = self.config.quantization if self.device.type == "cpu" else "none"
+        quantization = on_device(self.config.quantization, self.device)  # CPU: torch's kernels, CUDA: Triton's
         chosen = quantize_weights(self.model, quantization, self.dtype)
         if get_tp_rank() == 0:
             print(f"nanoserve: weights (quantization={quantization}, --quantization none for float): {chosen}",

@@ -1,5 +1,5 @@
-"""Weight-only quantized weights for the CPU's linear layers, run by torch's CPU kernels (client/bench_quant.py
-measured them against oneDNN's packed float32 and bfloat16; docs/benchmarks.md):
+"""Weight-only quantized weights for the linear layers. On the CPU, run by torch's CPU kernels
+(client/bench_quant.py measured them against oneDNN's packed float32 and bfloat16; docs/benchmarks.md):
 
 - int8: one scale per output channel, w = q * scale (q in [-127, 127]); `aten._weight_int8pack_mm`.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
@@ -11,6 +11,10 @@ Both kernels take bfloat16 activations (with float32 ones they are 5-30x slower)
 are rounded to bfloat16 on the way in and its outputs widened on the way out; the kernels accumulate in float32.
 Scales and offsets are held in bfloat16 too, and the codes are computed against the rounded scales, so that what
 the kernel multiplies is exactly the quantized weight.
+
+On CUDA, by Triton kernels that dequantize inside the matmul (kernels/quant_matmul.py), in the activations' dtype
+with float32 sums: an Int8Weight's own int8 codes and scales, and a PackedInt4Weight (two codes a byte, with the
+groups' float32 scales and offsets as GroupQuantized holds them, so w = q * scale + offset exactly).
 """
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanoserve.kernels.reference import dequantize_int4_groups, int4_group_matmul_ref, int8_matmul_ref, pack_int4
+from nanoserve.layers.activation import cuda_op
 
 QUANTIZATIONS = ("int8", "int4")
 QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tensors: "<weight name>.<part>"
@@ -60,6 +67,18 @@ class GroupQuantized:
         return cls(codes.reshape(weight.shape).to(torch.uint8), scale, low)
 
 
+def runs_triton(weight: torch.Tensor) -> bool:
+    """Whether a weight's matmul is a Triton kernel: on CUDA. (Tests send CPU tensors there, in the interpreter.)"""
+    return weight.is_cuda
+
+
+def matmul_for(weight: torch.Tensor, name: str, reference):
+    """The Triton kernel nanoserve.kernels.ops.<name> for a weight on CUDA, where triton is importable; else the
+    reference (dequantize, then F.linear)."""
+    kernel = cuda_op(name) if runs_triton(weight) else None
+    return kernel or reference
+
+
 class Int8Weight:
     """An int8 weight [N, K] with one scale per output row. Also an embedding table: a tied LM head's rows are
     its embeddings."""
@@ -77,8 +96,14 @@ class Int8Weight:
         return cls(qweight, scales)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
+        if runs_triton(self.qweight):
+            y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return Int8Weight(self.qweight.to(device), self.scales.to(device))
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.qweight[ids].to(dtype) * self.scales[ids, None].to(dtype)
@@ -120,6 +145,39 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_and_zero.nbytes
+
+
+class PackedInt4Weight:
+    """A 4-bit weight [N, K] for the Triton kernel: codes packed two a byte [N, K / 2] (reference.pack_int4), scale
+    and offset [N, K / group] float32, w = q * scale + offset."""
+    name = "int4"
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+        self.packed, self.scale, self.offset = packed, scale, offset
+
+    @classmethod
+    def from_groups(cls, groups: GroupQuantized) -> PackedInt4Weight:
+        """ValueError where codes are not uint8 in [0, 15] or the inputs are odd in number."""
+        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
+            raise ValueError("int4 weights need uint8 codes in [0, 15]")
+        if groups.codes.shape[1] % 2:
+            raise ValueError(f"int4 weights need an even number of inputs, got {groups.codes.shape[1]}")
+        return cls(pack_int4(groups.codes), groups.scale.float().contiguous(), groups.offset.float().contiguous())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = matmul_for(self.packed, "int4_group_matmul", int4_group_matmul_ref)(x, self.packed, self.scale,
+                                                                                 self.offset)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4_groups(self.packed, self.scale, self.offset)
+
+    def to(self, device: torch.device) -> PackedInt4Weight:
+        return PackedInt4Weight(self.packed.to(device), self.scale.to(device), self.offset.to(device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
 
 
 def split_part(name: str) -> tuple[str, str | None]:

@@ -7,6 +7,8 @@
 
 The token embedding and the LM head are int8 (per row) whenever they are quantized: a tied LM head shares the
 embedding's table. Norms and biases stay float. Runs after load_weights and before pack_cpu_weights.
+On the CPU the 4-bit format is Int4Weight (torch's CPU kernel), on CUDA PackedInt4Weight (the Triton kernel, which
+keeps a GGUF file's scales and offsets in float32 as they are); int8 is Int8Weight on both, on the model's device.
 """
 from __future__ import annotations
 
@@ -17,9 +19,16 @@ from torch import nn
 
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase
-from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.layers.quantization import (GROUP_SIZE, GroupQuantized, Int4Weight, Int8Weight, PackedInt4Weight,
+                                           runs_triton)
 
 FOUR_BIT = "int4"  # the format 4-bit GGUF codes run as (client/bench_quant.py)
+
+
+def on_device(quantization: str, device: torch.device) -> str:
+    """The quantization engine argument as a device runs it: on CUDA "auto" keeps float weights (the Triton
+    kernels have not been measured on a GPU yet, so they run only when asked for by name)."""
+    return "none" if quantization == "auto" and device.type == "cuda" else quantization
 
 
 def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) -> str:
@@ -40,7 +49,8 @@ def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) ->
                 module.weight.data = groups.dequantize().to(device=module.weight.device, dtype=dtype)
             chosen["float"] += 1
             continue
-        weight = _quantized(groups.dequantize() if groups is not None else module.weight, groups, target)
+        float_weight = groups.dequantize() if groups is not None else module.weight
+        weight = _quantized(float_weight, groups, target, module.weight)
         tables[id(module.weight)] = weight
         _install(module, weight)
         chosen[weight.name] += 1
@@ -57,7 +67,10 @@ def _target(module, groups: GroupQuantized | None, quantization: str) -> str | N
     return quantization
 
 
-def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target: str):
+def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target: str, module_weight: torch.Tensor):
+    """The weight in target's format, on the module's device (kept codes arrive on the CPU)."""
+    if runs_triton(module_weight):
+        return _quantized_for_triton(float_weight, groups, target).to(module_weight.device)
     if target == "int4":
         source = groups if groups is not None and groups.codes.dtype == torch.uint8 else None
         try:
@@ -65,6 +78,15 @@ def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target
         except ValueError:
             pass  # a shape the int4 layout cannot hold
     return Int8Weight.from_float(float_weight)
+
+
+def _quantized_for_triton(float_weight: torch.Tensor, groups: GroupQuantized | None, target: str):
+    if target == "int4":
+        if groups is not None and groups.codes.dtype == torch.uint8:
+            return PackedInt4Weight.from_groups(groups)
+        if float_weight.shape[1] % GROUP_SIZE == 0:
+            return PackedInt4Weight.from_groups(GroupQuantized.from_float(float_weight))
+    return Int8Weight.from_float(float_weight)  # 8-bit codes, or inputs not in whole groups
 
 
 def _install(module: nn.Module, weight) -> None:
