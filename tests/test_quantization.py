@@ -325,3 +325,11 @@ def test_the_quantization_argument_is_checked(tiny_llama):
         EngineConfig.from_kwargs(hf_dir, device="cpu", quantization="int3")
     for quantization in ("int8", "int4"):  # on CUDA too: the Triton kernels (tests/test_kernels_quant.py)
         assert EngineConfig.from_kwargs(hf_dir, device="cuda", quantization=quantization).quantization == quantization
+
+
+def test_auto_keeps_float_weights_on_cuda_until_asked_by_name():
+    from nanoserve.models.quantize import on_device
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [on_device(q, cpu) for q in ("auto", "none", "int8", "int4")] == ["auto", "none", "int8", "int4"]
+    assert [on_device(q, cuda) for q in ("auto", "none", "int8", "int4")] == ["none", "none", "int8", "int4"]
