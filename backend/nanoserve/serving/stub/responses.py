@@ -17,12 +17,13 @@ import numpy as np
 
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
+from nanoserve.serving.shared.contracts.vllm_text import prompt_input
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
-from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input, prompt_input
+from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
