@@ -282,8 +282,8 @@ class Soak:
 
     def _close_sse(self, rng) -> None:
         model = rng.choice([TEXT_MODEL, ENSEMBLE_MODEL])
-        body = {"text_input": rng.choice(PROMPTS), "stream": True, "id": self._request_id(),
-                "sampling_parameters": json.dumps(self._long_params(rng))}
+        request = TextRequest(rng.choice(PROMPTS), self._long_params(rng), {"stream": True})
+        body = {**request.generate_body(), "id": self._request_id()}
         with open_generate_stream(self.server.url_http, model, body, timeout=self.deadline) as connection:
             first = first_sse_event(connection)
         if b"data:" not in first:

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 import tritonclient.grpc.aio as grpcaio
 
 from nanoserve.serving.openai_api.errors import APIError
-from nanoserve.serving.shared.contracts.vllm_text import TextRequest, decode_response
+from nanoserve.serving.shared.contracts.vllm_text import INPUT_IDS, TEXT_INPUT, TextRequest, decode_response
 
 
 @dataclass
@@ -82,5 +82,6 @@ def triton_error(message: str) -> APIError:
     if "unknown model" in message or "is not found" in message:
         return APIError(404, message, "model", "model_not_found")
     field, _, _ = message.partition(":")
-    param = {"text_input": "prompt", "input_ids": "prompt"}.get(field, field) if field.isidentifier() else None
+    prompt_inputs = (TEXT_INPUT.name, INPUT_IDS.name)
+    param = ("prompt" if field in prompt_inputs else field) if field.isidentifier() else None
     return APIError(400, message, param)
