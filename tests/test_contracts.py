@@ -161,13 +161,14 @@ def test_an_encoded_request_parses_to_what_the_client_sent(request):
 @given(request=text_requests(), drain=st.floats(0, 60))
 def test_a_generate_body_parses_to_what_the_client_sent(request, drain):
     """HTTP /generate: tritonserver turns each key naming an input into that tensor, the rest into the request's
-    parameters (a control's, here: the stub's parser ignores it and leaves it to stub/control.py)."""
+    parameters (a control's, here, which stub/control.py takes before any parsing)."""
     body = request.generate_body({"drain_seconds": drain})
     arrays = {name: vllm_text.TEXT_INPUTS[name].array(value) for name, value in body.items()
               if name in vllm_text.TEXT_INPUTS}
     assert set(body) - set(arrays) == {"drain_seconds"}
     assert {name: array.tolist() for name, array in arrays.items()} == {
         name: array.tolist() for name, array in request.arrays().items()}
+    check_parsed(request, parse_request(arrays.get))
 
 
 def test_grpc_inputs_carry_the_arrays_with_the_declared_datatypes():
