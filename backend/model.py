@@ -31,7 +31,8 @@ import triton_python_backend_utils as pb_utils
 
 from nanoserve.coercion import optional_bool
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
-from nanoserve.serving.stub import request as contract
+from nanoserve.serving.shared.contracts import token_model, vllm_text
+from nanoserve.serving.stub.request import parse_request
 from nanoserve.serving.stub.control import Drain, control_event
 from nanoserve.serving.stub.engine_thread import EngineInProcess
 from nanoserve.serving.stub.metrics import Metrics
@@ -42,8 +43,8 @@ from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs, prompt input)
-    "text": (contract.TEXT_INPUTS, contract.TEXT_OUTPUTS, "text_input"),
-    "tokens": (contract.TOKEN_INPUTS, contract.TOKEN_OUTPUTS, "input_ids"),
+    "text": (vllm_text.TEXT_INPUTS, vllm_text.TEXT_OUTPUTS, vllm_text.TEXT_INPUT.name),
+    "tokens": (token_model.TOKEN_INPUTS, token_model.TOKEN_OUTPUTS, vllm_text.INPUT_IDS.name),
 }
 
 
@@ -87,10 +88,10 @@ class TritonPythonModel:
     def auto_complete_config(auto_complete_model_config):
         config = auto_complete_model_config
         inputs, outputs, _ = MODES[_mode(config.as_dict())]
-        for tensor in inputs:
-            config.add_input(tensor)
-        for tensor in outputs:
-            config.add_output(tensor)
+        for tensor in inputs.values():
+            config.add_input(tensor.config())
+        for tensor in outputs.values():
+            config.add_output(tensor.config(is_input=False))
         config.set_max_batch_size(0)
         config.set_model_transaction_policy({"decoupled": True})
         # instance_group cannot be auto-completed by a Python model (Triton keeps its own default):
@@ -159,9 +160,8 @@ class TritonPythonModel:
                                        code="UNAVAILABLE"))
                 return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
-            parsed = contract.parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
-                                            tokens=self.mode == "tokens",
-                                            max_model_len=self.max_model_len)
+            parsed = parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
+                                   tokens=self.mode == "tokens", max_model_len=self.max_model_len)
         except ValueError as e:
             self.events.put(Reject(sender, str(e)))
             return

@@ -7,7 +7,6 @@ one higher, the request's KV blocks back). Prints the median and the longest of 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,7 @@ if not __package__:  # run as a script: make `client` importable
 
 from client.soak import engine_metrics  # noqa: E402
 from client.stream import grpc_inputs, open_generate_stream  # noqa: E402
+from nanoserve.serving.shared.contracts.vllm_text import TextRequest  # noqa: E402
 
 MODELS = ["nanoserve", "nanoserve_tokens", "ensemble", "preprocessing", "postprocessing"]
 ENGINES = {"nanoserve": "nanoserve", "ensemble": "nanoserve_tokens"}  # served model -> its engine model
@@ -45,7 +45,7 @@ def start_grpc(server, model: str):
 
 
 def start_sse(server, model: str):
-    body = {"text_input": "Hi", "stream": True, "sampling_parameters": json.dumps(PARAMS)}
+    body = TextRequest("Hi", PARAMS, {"stream": True}).generate_body()
     return open_generate_stream(server.url_http, model, body).close
 
 

@@ -51,7 +51,8 @@ if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client import thread_times  # noqa: E402
-from client.stream import first_value, grpc_inputs, sampling_parameters  # noqa: E402
+from client.stream import grpc_inputs, sampling_parameters  # noqa: E402
+from nanoserve.serving.shared.contracts.vllm_text import decode_response  # noqa: E402
 from nanoserve.engine.simulated_device import ENV_STEP_MS, ENV_WAIT, WAITS  # noqa: E402
 
 
@@ -140,8 +141,8 @@ async def run_served(url: str, model: str, prompts: list[str], params: dict, con
                 raise RuntimeError(f"{model}: {error}")
             result.responses += 1
             request_id = response.get_response().id
-            tokens = first_value(response.as_numpy("num_output_tokens"))
-            result.output_tokens += int(tokens or 0)
+            tokens = sum(decode_response(response.as_numpy).num_output_tokens)
+            result.output_tokens += tokens
             if tokens and request_id not in first_seen:
                 first_seen.add(request_id)
                 result.ttfts.append(time.perf_counter() - sent[request_id])

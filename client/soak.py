@@ -31,7 +31,8 @@ from pathlib import Path
 if not __package__:  # run as a script: make `client` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.stream import first_sse_event, first_value, grpc_inputs, open_generate_stream  # noqa: E402
+from client.stream import first_sse_event, grpc_inputs, open_generate_stream  # noqa: E402
+from nanoserve.serving.shared.contracts.vllm_text import TextRequest, decode_response  # noqa: E402
 
 TEXT_MODEL, ENSEMBLE_MODEL = "nanoserve", "ensemble"
 ENGINE_MODELS = ("nanoserve", "nanoserve_tokens")
@@ -183,22 +184,21 @@ class Soak:
 
     def _sse(self, rng, model: str = TEXT_MODEL) -> None:
         params, key = self._params(rng)
-        body = {"text_input": key[0], "stream": True, "sampling_parameters": json.dumps(params)}
-        if model == TEXT_MODEL:
-            body["exclude_input_in_output"] = True
+        flags = {"stream": True, **({"exclude_input_in_output": True} if model == TEXT_MODEL else {})}
+        body = TextRequest(key[0], params, flags).generate_body()
         events = self._http("generate_stream", model, body, f"{model} sse {key}")
         if events is not None:
-            self._record(key, "".join(first_value(e.get("text_output")) or "" for e in events))
+            self._record(key, "".join("".join(decode_response(e.get).texts) for e in events))
 
     def _ensemble_sse(self, rng) -> None:
         self._sse(rng, ENSEMBLE_MODEL)
 
     def _generate(self, rng) -> None:
         params, key = self._params(rng)
-        body = {"text_input": key[0], "exclude_input_in_output": True, "sampling_parameters": json.dumps(params)}
+        body = TextRequest(key[0], params, {"exclude_input_in_output": True}).generate_body()
         events = self._http("generate", TEXT_MODEL, body, f"generate {key}")
         if events is not None:
-            self._record(key, events[0].get("text_output"))
+            self._record(key, "".join(decode_response(events[0].get).texts))
 
     def _preempt(self) -> None:
         params = {"max_tokens": PREEMPT_TOKENS, "ignore_eos": True, "temperature": 0.0}
@@ -239,7 +239,7 @@ class Soak:
                     self._note("errors", f"{model} gRPC stream {params}: {error}")
                     return None
                 responses += 1
-                text += first_value(result.as_numpy("text_output")) or ""
+                text += "".join(decode_response(result.as_numpy).texts)
                 finished = result.get_response().parameters["triton_final_response"].bool_param
             return text if finished else None
         finally:
@@ -282,8 +282,8 @@ class Soak:
 
     def _close_sse(self, rng) -> None:
         model = rng.choice([TEXT_MODEL, ENSEMBLE_MODEL])
-        body = {"text_input": rng.choice(PROMPTS), "stream": True, "id": self._request_id(),
-                "sampling_parameters": json.dumps(self._long_params(rng))}
+        request = TextRequest(rng.choice(PROMPTS), self._long_params(rng), {"stream": True})
+        body = {**request.generate_body(), "id": self._request_id()}
         with open_generate_stream(self.server.url_http, model, body, timeout=self.deadline) as connection:
             first = first_sse_event(connection)
         if b"data:" not in first:

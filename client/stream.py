@@ -18,6 +18,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from nanoserve.help_format import ArgumentParser
+from nanoserve.serving.shared.contracts.vllm_text import TextRequest, TextResponse, accepted_flags, decode_response
 
 DEFAULT_URLS = {"grpc": "127.0.0.1:8001", "http": "127.0.0.1:8000"}
 FLAGS = {"stream": True, "exclude_input_in_output": True, "return_num_output_tokens": True,
@@ -33,14 +34,17 @@ class StreamResult:
     ttft: float | None = None  # seconds from sending to the first non-empty delta
     total: float = 0.0  # seconds from sending to the final response
 
-    def add(self, delta: str, num_tokens, finish_reason, elapsed: float) -> None:
+    def add(self, response: TextResponse, elapsed: float) -> str:
+        """A response of the request's one sequence; returns its text."""
+        delta = response.texts[0] if response.texts else ""
         if delta:
             self.ttft = elapsed if self.ttft is None else self.ttft
             self.deltas.append(delta)
             self.text += delta
-        if num_tokens is not None:  # streamed responses carry the count of their own delta's tokens
-            self.num_output_tokens = (self.num_output_tokens or 0) + int(num_tokens)
-        self.finish_reason = finish_reason or self.finish_reason
+        if response.num_output_tokens:  # streamed responses carry the count of their own delta's tokens
+            self.num_output_tokens = (self.num_output_tokens or 0) + response.num_output_tokens[0]
+        self.finish_reason = (response.finish_reasons or [None])[0] or self.finish_reason
+        return delta
 
 
 def sampling_parameters(max_tokens=None, temperature=None, top_p=None, seed=None, **extra) -> dict:
@@ -49,36 +53,9 @@ def sampling_parameters(max_tokens=None, temperature=None, top_p=None, seed=None
     return {key: value for key, value in given.items() if value is not None}
 
 
-def accepted_flags(input_names) -> dict:
-    """The FLAGS among a model's inputs (its metadata's input names)."""
-    names = set(input_names)
-    return {name: value for name, value in FLAGS.items() if name in names}
-
-
 def grpc_inputs(prompt: str, params: dict, flags: dict = FLAGS) -> list:
     """The input tensors vllm_backend's clients send (usable with tritonclient.grpc and .grpc.aio)."""
-    import numpy as np
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, datatype):
-        array = np.array([value], dtype=object if datatype == "BYTES" else bool)
-        infer_input = grpcclient.InferInput(name, [1], datatype)
-        infer_input.set_data_from_numpy(array)
-        return infer_input
-
-    inputs = [tensor("text_input", prompt.encode(), "BYTES"),
-              tensor("sampling_parameters", json.dumps(params).encode(), "BYTES")]
-    return inputs + [tensor(name, value, "BOOL") for name, value in flags.items()]
-
-
-def first_value(value):
-    """A tensor value as its first element (HTTP sends scalars or lists, gRPC numpy arrays)."""
-    if value is None:
-        return None
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    value = value[0] if isinstance(value, list) else value
-    return value.decode() if isinstance(value, bytes) else value
+    return TextRequest(prompt, params, flags).grpc_inputs()
 
 
 def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, timeout: float = 600.0,
@@ -90,7 +67,7 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
     result = StreamResult()
     finished = False
     try:
-        flags = accepted_flags(i.name for i in _grpc_metadata(client, model).inputs)
+        flags = accepted_flags(FLAGS, (i.name for i in _grpc_metadata(client, model).inputs))
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         start = time.perf_counter()
         client.async_stream_infer(model, grpc_inputs(prompt, params, flags), request_id=request_id,
@@ -103,9 +80,7 @@ def stream_grpc(url: str, model: str, prompt: str, params: dict, on_text=None, t
             if error is not None:  # an error ends the request (nanoserve sends it as the final response)
                 finished = True
                 raise RuntimeError(f"{model}: {error}")
-            delta = first_value(response.as_numpy("text_output")) or ""
-            result.add(delta, first_value(response.as_numpy("num_output_tokens")),
-                       first_value(response.as_numpy("finish_reason")), time.perf_counter() - start)
+            delta = result.add(decode_response(response.as_numpy), time.perf_counter() - start)
             if on_text and delta:
                 on_text(delta)
             if response.get_response().parameters["triton_final_response"].bool_param:
@@ -167,8 +142,8 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
         metadata = conn.getresponse()
         if metadata.status != 200:
             raise RuntimeError(f"{model}: HTTP {metadata.status}: {_error_message(metadata.read())}")
-        flags = accepted_flags(i["name"] for i in json.loads(metadata.read()).get("inputs", []))
-        body = {"text_input": prompt, "sampling_parameters": json.dumps(params), **flags}
+        flags = accepted_flags(FLAGS, (i["name"] for i in json.loads(metadata.read()).get("inputs", [])))
+        body = TextRequest(prompt, params, flags).generate_body()
         start = time.perf_counter()
         conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
                      {"Content-Type": "application/json", "Accept": "text/event-stream"})
@@ -178,9 +153,7 @@ def stream_http(url: str, model: str, prompt: str, params: dict, on_text=None,
         for event in _sse_events(response):
             if "error" in event:
                 raise RuntimeError(f"{model}: {event['error']}")
-            delta = first_value(event.get("text_output")) or ""
-            result.add(delta, first_value(event.get("num_output_tokens")), first_value(event.get("finish_reason")),
-                       time.perf_counter() - start)
+            delta = result.add(decode_response(event.get), time.perf_counter() - start)
             if on_text and delta:
                 on_text(delta)
         result.total = time.perf_counter() - start

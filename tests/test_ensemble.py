@@ -12,8 +12,9 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.serving.serve import liveness
+from nanoserve.serving.shared.contracts.token_model import is_final
 from nanoserve.serving.stub.ensemble import (CANCEL_CHECK_INTERVAL, CancelChecks, DecodeContext, DetokenizeRequest,
-                                             context_size, decode_delta, is_final, special_token_ids, token_arrays)
+                                             context_size, decode_delta, special_token_ids, token_arrays)
 from nanoserve.serving.stub.request import ParsedRequest
 from nanoserve.serving.stub.responses import Stream
 

@@ -15,7 +15,7 @@ from serving_utils import TIMEOUT, http_post, is_ready, metrics_when, stream, tr
 from triton_server import group_members
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.stub.request import TEXT_INPUTS
+from nanoserve.serving.shared.contracts.vllm_text import TEXT_INPUTS
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 MODEL = "nanoserve"
@@ -63,8 +63,8 @@ def test_a_multi_megabyte_prompt_is_rejected_untokenized_and_memory_stays_flat(s
 
 
 # ---- the fuzz ---------------------------------------------------------------------------------------------
-DECLARED = {i["name"]: ("BYTES" if i["data_type"] == "TYPE_STRING" else i["data_type"][5:], i["dims"])
-            for i in TEXT_INPUTS}
+DECLARED = {i.name: ("BYTES" if i.data_type == "TYPE_STRING" else i.data_type[5:], list(i.dims))
+            for i in TEXT_INPUTS.values()}
 NUMPY = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64,
          "FP32": np.float32, "FP16": np.float16}
 INT_RANGES = {"INT32": (-2 ** 31, 2 ** 31 - 1), "INT64": (-2 ** 63, 2 ** 63 - 1), "UINT64": (0, 2 ** 64 - 1)}

@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 
 from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined
 from nanoserve.sampling_params import MAX_STOP_STRINGS
+from nanoserve.serving.shared.contracts.token_model import TOKEN_INPUTS, is_final
+from nanoserve.serving.shared.contracts.trtllm_scalars import SCALAR_INPUTS
+from nanoserve.serving.shared.contracts.vllm_text import OPTIONAL_OUTPUTS, TEXT_INPUTS, TEXT_OUTPUTS
 from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
 from nanoserve.serving.stub.engine_thread import StepResult
-from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, is_final, token_arrays
-from nanoserve.serving.stub.request import (MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, OPTIONAL_OUTPUTS, SCALAR_INPUTS,
-                                            TEXT_INPUTS, TEXT_OUTPUTS, TOKEN_INPUTS, parse_request)
+from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, token_arrays
 from nanoserve.serving.stub.pacing import merge_into
+from nanoserve.serving.stub.request import MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, parse_request
 from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, text_arrays,
                                               vllm_logprobs)
 
@@ -181,18 +183,18 @@ def test_the_text_model_takes_token_ids_in_input_ids():
 
 
 def test_contract_tables_match_design():
-    inputs = {i["name"]: i for i in TEXT_INPUTS}
+    inputs = {name: spec.config() for name, spec in TEXT_INPUTS.items()}
     assert inputs["text_input"]["data_type"] == "TYPE_STRING" and inputs["input_ids"]["data_type"] == "TYPE_INT32"
     assert all(i["optional"] for i in inputs.values())  # the prompt is text_input or input_ids
     for name in ("stream", "exclude_input_in_output", *(f"return_{o}" for o in OPTIONAL_OUTPUTS)):
         assert inputs[name]["data_type"] == "TYPE_BOOL"
     assert set(SCALAR_INPUTS) <= set(inputs) and inputs["stop_words"]["dims"] == [-1]
-    outputs = {o["name"]: (o["data_type"], o["dims"]) for o in TEXT_OUTPUTS}
+    outputs = {name: (spec.data_type, list(spec.dims)) for name, spec in TEXT_OUTPUTS.items()}
     assert outputs == {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
                        "cumulative_logprob": ("TYPE_FP32", [-1]), "logprobs": ("TYPE_STRING", [-1]),
                        "num_input_tokens": ("TYPE_UINT32", [1]), "num_output_tokens": ("TYPE_UINT32", [-1]),
                        "prompt_logprobs": ("TYPE_STRING", [1])}
-    assert {i["name"] for i in TOKEN_INPUTS} == set(inputs) - {"text_input"}
+    assert set(TOKEN_INPUTS) == set(inputs) - {"text_input"} and not TOKEN_INPUTS["input_ids"].optional
 
 
 # ---- response formatting (the response thread, without Triton) -------------------------------------------

@@ -1,13 +1,13 @@
 """Ensemble step 3: output_ids + context_ids -> text_output, statelessly (nanoserve/serving/stub/ensemble.py); and the
 ensemble's cancellation: Triton's ensemble scheduler marks this step's request cancelled once the client cancelled
 but never tells the engine model, whose request is already running, so this model does (CancelChecks)."""
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from nanoserve.serving.shared.contracts.token_model import FINISH_REASON, TEXT_OUTPUT, control_arrays, is_final
 from nanoserve.serving.shared.engine_model import CANCEL_PARAMETER
 from nanoserve.serving.shared.model_json import max_model_len_bound
 from nanoserve.serving.stub.ensemble import (CancelChecks, DetokenizeRequest, decode_delta, engine_dir,
-                                             engine_model, engine_tokenizer, is_final)
+                                             engine_model, engine_tokenizer)
 
 
 class TritonPythonModel:
@@ -32,8 +32,8 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"postprocessing: passing a cancel on failed: {e!r}")
         text = decode_delta(self.tokenizer, inputs.context_ids, inputs.new_ids, final=final, **inputs.params)
         return pb_utils.InferenceResponse([
-            pb_utils.Tensor("text_output", np.array([text.encode()], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.array([inputs.finish_reason.encode()], dtype=np.object_)),
+            pb_utils.Tensor(TEXT_OUTPUT.name, TEXT_OUTPUT.array(text)),
+            pb_utils.Tensor(FINISH_REASON.name, FINISH_REASON.array(inputs.finish_reason)),
         ])
 
     def _pass_on_cancel(self, request, request_id: str | None, final: bool) -> None:
@@ -46,7 +46,8 @@ class TritonPythonModel:
             return
         self.cancel_checks.cancelled(request_id)
         control = pb_utils.InferenceRequest(
-            model_name=self.engine_model, inputs=[pb_utils.Tensor("input_ids", np.zeros(0, dtype=np.int32))],
+            model_name=self.engine_model,
+            inputs=[pb_utils.Tensor(name, array) for name, array in control_arrays().items()],
             requested_output_names=[], parameters={CANCEL_PARAMETER: request_id})
         for response in control.exec(decoupled=True):
             if response.has_error():

@@ -1,7 +1,7 @@
 """Ensemble step 1: text_input (+ apply_chat_template) -> input_ids, with the engine model's tokenizer."""
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from nanoserve.serving.shared.contracts.token_model import APPLY_CHAT_TEMPLATE, PREPROCESSING_OUTPUTS, TEXT_INPUT
 from nanoserve.serving.stub.ensemble import encode_prompt, engine_max_prompt_bytes, engine_tokenizer
 from nanoserve.serving.stub.request import name_prompt_input, parse_text_prompt
 
@@ -17,13 +17,14 @@ class TritonPythonModel:
     def _tokenize(self, request):
         try:
             text = parse_text_prompt(lambda name: _as_numpy(request, name))
-            chat = _as_numpy(request, "apply_chat_template")
+            chat = _as_numpy(request, APPLY_CHAT_TEMPLATE.name)
             ids = encode_prompt(self.tokenizer, text, chat=chat is not None and bool(chat.reshape(-1)[0]),
                                 max_bytes=self.max_prompt_bytes)
         except ValueError as e:
-            message = name_prompt_input(str(e), "text_input")
+            message = name_prompt_input(str(e), TEXT_INPUT.name)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
-        return pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", np.array(ids, dtype=np.int32))])
+        (output,) = PREPROCESSING_OUTPUTS.values()
+        return pb_utils.InferenceResponse([pb_utils.Tensor(output.name, output.array(ids))])
 
 
 def _as_numpy(request, name):

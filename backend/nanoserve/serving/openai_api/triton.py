@@ -1,16 +1,14 @@
-"""One request to a text model over gRPC streaming (tritonclient.grpc.aio), with vllm_backend's tensors, and
-its responses as Chunks. Every output tensor holds one entry per sequence of the request (n of them)."""
+"""One request to a text model over gRPC streaming (tritonclient.grpc.aio), with vllm_backend's tensors
+(serving/shared/contracts/vllm_text.py), and its responses as Chunks."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import numpy as np
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from nanoserve.serving.openai_api.errors import APIError
+from nanoserve.serving.shared.contracts.vllm_text import INPUT_IDS, TEXT_INPUT, TextRequest, decode_response
 
 
 @dataclass
@@ -29,43 +27,17 @@ class Chunk:
 
 def request_inputs(prompt: str | list[int], sampling_parameters: dict, stream: bool, logprobs: bool,
                    prompt_logprobs: bool = False) -> list:
-    """The tensors any vllm_backend client sends: the prompt (text_input, or token ids in nanoserve's input_ids),
-    the sampling_parameters JSON and the flags."""
-    def tensor(name: str, value, datatype: str):
-        array = np.array([value], dtype=np.object_ if datatype == "BYTES" else bool)
-        infer_input = grpcclient.InferInput(name, [1], datatype)
-        infer_input.set_data_from_numpy(array)
-        return infer_input
-
+    """What the API asks of the text model: the sampling_parameters JSON, and the outputs it reports."""
     flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
              "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs,
              "return_prompt_logprobs": prompt_logprobs}
-    if isinstance(prompt, str):
-        prompt_input = tensor("text_input", prompt.encode(), "BYTES")
-    else:
-        prompt_input = grpcclient.InferInput("input_ids", [len(prompt)], "INT32")
-        prompt_input.set_data_from_numpy(np.array(prompt, dtype=np.int32))
-    return [prompt_input,
-            tensor("sampling_parameters", json.dumps(sampling_parameters).encode(), "BYTES"),
-            *(tensor(name, value, "BOOL") for name, value in flags.items())]
+    return TextRequest(prompt, sampling_parameters, flags).grpc_inputs()
 
 
 def parse_response(result) -> Chunk:
-    def strings(name: str) -> list[str]:
-        array = result.as_numpy(name)
-        return [] if array is None else [v.decode() if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
-
-    def numbers(name: str) -> list[int]:
-        array = result.as_numpy(name)
-        return [] if array is None else [int(v) for v in array.reshape(-1)]
-
-    reasons = [None if reason in ("", "None") else reason for reason in strings("finish_reason")]
-    logprobs = [json.loads(entry) for entry in strings("logprobs")]
-    num_input = numbers("num_input_tokens")
-    final = bool(reasons) and all(reason is not None for reason in reasons)
-    prompt_logprobs = [json.loads(entry) for entry in strings("prompt_logprobs")]
-    return Chunk(strings("text_output"), reasons, numbers("num_output_tokens"), logprobs,
-                 num_input[0] if num_input else None, final, prompt_logprobs[0] if prompt_logprobs else None)
+    response = decode_response(result.as_numpy)
+    return Chunk(response.texts, response.finish_reasons, response.num_output_tokens, response.logprobs,
+                 response.num_input_tokens, response.final, response.prompt_logprobs)
 
 
 async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
@@ -110,5 +82,6 @@ def triton_error(message: str) -> APIError:
     if "unknown model" in message or "is not found" in message:
         return APIError(404, message, "model", "model_not_found")
     field, _, _ = message.partition(":")
-    param = {"text_input": "prompt", "input_ids": "prompt"}.get(field, field) if field.isidentifier() else None
+    prompt_inputs = (TEXT_INPUT.name, INPUT_IDS.name)
+    param = ("prompt" if field in prompt_inputs else field) if field.isidentifier() else None
     return APIError(400, message, param)

@@ -16,9 +16,10 @@ import urllib.error
 import urllib.request
 
 from nanoserve.serving.serve.liveness import generate_request
+from nanoserve.serving.shared.contracts import token_model, vllm_text
 from nanoserve.serving.shared.engine_model import DRAIN_PARAMETER
 
-PROMPT_INPUT = {"text": {"text_input": ""}, "tokens": {"input_ids": [0]}}  # inputs Triton requires, unread
+CONTROL_BODIES = {"text": vllm_text.control_body, "tokens": token_model.control_body}  # by the model's mode
 ANSWER_GRACE = 30.0  # seconds a model may take beyond the drain's own to answer it
 POLL_INTERVAL = 0.2
 
@@ -39,7 +40,7 @@ def drain(url_http: str, models: dict[str, str], seconds: float, received: list[
 
 
 def _drain_one(url_http: str, model: str, mode: str, seconds: float, failures: list[str]) -> None:
-    body = json.dumps({**PROMPT_INPUT[mode], DRAIN_PARAMETER: seconds}).encode()
+    body = json.dumps(CONTROL_BODIES[mode]({DRAIN_PARAMETER: seconds})).encode()
     request = generate_request(url_http, model, body)
     try:
         with urllib.request.urlopen(request, timeout=seconds + ANSWER_GRACE) as response:

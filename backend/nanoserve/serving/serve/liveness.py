@@ -18,10 +18,11 @@ import time
 import urllib.error
 import urllib.request
 
+from nanoserve.serving.shared.contracts.vllm_text import TextRequest
 from nanoserve.serving.shared.engine_model import UNAVAILABLE, engine_mode
 
 PROBE_INTERVAL = 5.0  # seconds from one answer to the next question
-PROBE = json.dumps({"text_input": "liveness probe", "max_tokens": -1}).encode()
+PROBE = json.dumps(TextRequest("liveness probe", scalars={"max_tokens": -1}).generate_body()).encode()
 
 
 class Liveness:

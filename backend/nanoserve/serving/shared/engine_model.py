@@ -14,8 +14,8 @@ MAX_DRAIN_SECONDS = 3600.0
 
 
 def engine_mode(config: dict) -> str | None:
-    """A Triton model config's (as Triton reports it) nanoserve mode: "text" (TEXT_INPUTS -> TEXT_OUTPUTS) or
-    "tokens" (TOKEN_INPUTS -> TOKEN_OUTPUTS, stub/request.py); None for a model of another backend."""
+    """A Triton model config's (as Triton reports it) nanoserve mode: "text" (contracts/vllm_text.py) or "tokens"
+    (contracts/token_model.py); None for a model of another backend."""
     if config.get("backend") != "nanoserve":
         return None
     return config.get("parameters", {}).get("mode", {}).get("string_value", "") or "text"

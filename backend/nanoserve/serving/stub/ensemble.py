@@ -1,7 +1,7 @@
 """The ensemble (preprocessing -> token-level engine -> postprocessing) and its stateless detokenization.
 
 Detokenizing each streamed chunk on its own loses spaces and splits multi-byte characters (the TRT-LLM
-ensemble's known bug). Here the token model sends with every response the CONTEXT_IDS output ids that precede
+ensemble's known bug). Here the token model sends with every response the CONTEXT_SIZE output ids that precede
 the new ones, and the postprocessing model computes the delta from those alone:
 
     delta = committed(context + new) - committed(context)      (the last response: all of context + new)
@@ -32,12 +32,14 @@ from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop, withheld_ch
 from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, max_prompt_bytes
 from nanoserve.engine.tokenize import token_decoder
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.serving.shared.contracts.token_model import (CONTEXT_IDS, DETOKENIZE_KEYS, DETOKENIZE_PARAMS,
+                                                             FINISH_REASON, FINISH_REASONS, OUTPUT_IDS, REQUEST_ID)
 from nanoserve.serving.shared.model_json import max_model_len_bound, tokenizer_dir
 from nanoserve.serving.stub.request import json_object, required, single, utf8
 from nanoserve.serving.stub.responses import (Entry, Generated, Stream, accumulate, finish_reason_text, optional_arrays,
-                                              prompt_logprobs_of, string_array, whole_generated)
+                                              prompt_logprobs_of, whole_generated)
 
-CONTEXT_IDS = 16
+CONTEXT_SIZE = 16  # ids of context per response, without stop strings
 CANCEL_CHECK_INTERVAL = 0.1  # seconds between two asks whether one stream's client cancelled
 
 
@@ -70,7 +72,7 @@ class DecodeContext:
     @classmethod
     def of(cls, params, special_ids: frozenset) -> "DecodeContext":
         skipped = special_ids if params.skip_special_tokens else frozenset()
-        return cls(context_size(params), string_array([detokenize_params(params)]), skipped)
+        return cls(context_size(params), DETOKENIZE_PARAMS.array(detokenize_params(params)), skipped)
 
     def window(self) -> list[int]:
         """The shortest end of the tail with `size` ids that decoding keeps (all of it when shorter)."""
@@ -108,11 +110,11 @@ def token_arrays(stream: Stream, outputs: list, special_ids: frozenset = frozens
             return None
         generated, window, prompt_logprobs = whole_generated(stream.samples[0]), [], prompt_logprobs_of(stream)
     return {**optional_arrays(request, [Entry("", generated, output)], prompt_logprobs, token_text),
-            "output_ids": np.array(generated.token_ids, dtype=np.int32),
-            "context_ids": np.array(window, dtype=np.int32),
-            "finish_reason": string_array([finish_reason_text(output)]),
-            "detokenize_params": context.params,
-            "request_id": string_array([output.request_id])}
+            OUTPUT_IDS.name: OUTPUT_IDS.array(generated.token_ids),
+            CONTEXT_IDS.name: CONTEXT_IDS.array(window),
+            FINISH_REASON.name: FINISH_REASON.array(finish_reason_text(output)),
+            DETOKENIZE_PARAMS.name: context.params,
+            REQUEST_ID.name: REQUEST_ID.array(output.request_id)}
 
 
 def ended_token_arrays(stream: Stream, request_id: str) -> dict:
@@ -120,20 +122,14 @@ def ended_token_arrays(stream: Stream, request_id: str) -> dict:
     failure, the exit timeout) after it responded: no new ids, finish_reason "abort". Not an error: Triton 2.51's
     ensemble never releases a request one of whose steps failed while another (a postprocessing of an earlier
     response) was still running, so the ensemble would never unload."""
-    return {"output_ids": np.zeros(0, dtype=np.int32), "context_ids": np.zeros(0, dtype=np.int32),
-            "finish_reason": string_array(["abort"]), "detokenize_params": stream.formatter_state.params,
-            "request_id": string_array([request_id])}
-
-
-def is_final(finish_reason: bytes | str) -> bool:
-    """Whether a token model's finish_reason value ends the request ("None" before the last response)."""
-    value = finish_reason.decode() if isinstance(finish_reason, bytes) else finish_reason
-    return value not in ("", "None")
+    return {OUTPUT_IDS.name: OUTPUT_IDS.array([]), CONTEXT_IDS.name: CONTEXT_IDS.array([]),
+            FINISH_REASON.name: FINISH_REASON.array("abort"), DETOKENIZE_PARAMS.name: stream.formatter_state.params,
+            REQUEST_ID.name: REQUEST_ID.array(request_id)}
 
 
 def context_size(params) -> int:
-    """Ids of context per response: CONTEXT_IDS, plus room for the characters withheld for stop strings."""
-    return CONTEXT_IDS + 4 * withheld_chars(params.stop)
+    """Ids of context per response: CONTEXT_SIZE, plus room for the characters withheld for stop strings."""
+    return CONTEXT_SIZE + 4 * withheld_chars(params.stop)
 
 
 def detokenize_params(params) -> str:
@@ -187,10 +183,6 @@ class CancelChecks:
 
     def cancelled(self, request_id: str) -> None:
         self.next_check[request_id] = float("inf")
-FINISH_REASONS = ("None", "", "stop", "length", "abort")  # "None" (or "") before the last response
-DETOKENIZE_KEYS = ("skip_special_tokens", "stop", "include_stop_str_in_output")
-
-
 @dataclass
 class DetokenizeRequest:
     """The postprocessing model's inputs, checked (ValueError naming the input): what the token model sends."""
@@ -203,14 +195,15 @@ class DetokenizeRequest:
     @classmethod
     def parse(cls, get, max_ids: int | None) -> "DetokenizeRequest":
         """get(name) -> numpy array or None; max_ids bounds each id input (the engine's max_model_len)."""
-        reason = utf8("finish_reason", single("finish_reason", required(get, "finish_reason")))
+        reason = utf8(FINISH_REASON.name, single(FINISH_REASON.name, required(get, FINISH_REASON.name)))
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason: must be one of {FINISH_REASONS}, got {reason[:100]!r}")
-        params = get("detokenize_params")
-        params = {} if params is None else json_object("detokenize_params", single("detokenize_params", params))
-        request_id = get("request_id")
-        request_id = None if request_id is None else utf8("request_id", single("request_id", request_id))
-        return cls(_token_ids(get, "context_ids", max_ids), _token_ids(get, "output_ids", max_ids), reason,
+        params = get(DETOKENIZE_PARAMS.name)
+        name = DETOKENIZE_PARAMS.name
+        params = {} if params is None else json_object(name, single(name, params))
+        request_id = get(REQUEST_ID.name)
+        request_id = None if request_id is None else utf8(REQUEST_ID.name, single(REQUEST_ID.name, request_id))
+        return cls(_token_ids(get, CONTEXT_IDS.name, max_ids), _token_ids(get, OUTPUT_IDS.name, max_ids), reason,
                    _detokenize_params(params), request_id)
 
 

@@ -1,4 +1,5 @@
-"""The Triton tensor contract, and parsing + validation of one request (pure Python: no Triton import).
+"""Parsing + validation of one request to the text or the token model (pure Python: no Triton import); the
+tensors are the contracts' (serving/shared/contracts/vllm_text.py, trtllm_scalars.py, token_model.py).
 
 `get(name)` returns an input tensor as a numpy array, or None when the client did not send it. Every error is a
 ValueError whose message starts with the offending field, e.g. "top_p: must be in (0, 1], got 2.0".
@@ -13,59 +14,14 @@ import numpy as np
 
 from nanoserve.coercion import optional_bool
 from nanoserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from nanoserve.serving.shared.contracts.trtllm_scalars import SCALAR_INPUTS, STOP_WORDS, is_integer
+from nanoserve.serving.shared.contracts.vllm_text import (FLAG_INPUTS, INPUT_IDS, OPTIONAL_OUTPUTS,
+                                                          SAMPLING_PARAMETERS, TEXT_INPUT)
 
-# return_<name> flags and the optional outputs they switch on
-OPTIONAL_OUTPUTS = ("finish_reason", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
-                    "prompt_logprobs")
-# TRT-LLM-style scalar tensors (and Triton's OpenAI frontend): tensor name -> (Triton type, SamplingParams field)
-SCALAR_INPUTS = {
-    "max_tokens": ("TYPE_INT32", "max_tokens"),
-    "temperature": ("TYPE_FP32", "temperature"),
-    "top_p": ("TYPE_FP32", "top_p"),
-    "top_k": ("TYPE_INT32", "top_k"),
-    "frequency_penalty": ("TYPE_FP32", "frequency_penalty"),
-    "presence_penalty": ("TYPE_FP32", "presence_penalty"),
-    "seed": ("TYPE_UINT64", "seed"),
-}
-FLAG_INPUTS = ("stream", "exclude_input_in_output", *(f"return_{name}" for name in OPTIONAL_OUTPUTS))
 # Size bounds, checked before anything is decoded or parsed. The text prompt's bound depends on the tokenizer
 # and max_model_len: the engine thread checks it before tokenizing (engine/tokenize.py).
 MAX_JSON_BYTES = 1 << 20  # sampling_parameters, and the request parameters
 MAX_STOP_WORD_BYTES = 4 * MAX_STOP_STRING_CHARS  # a stop_words element (UTF-8: at most 4 bytes per character)
-
-
-def _io(name, data_type, dims, optional=True):
-    return {"name": name, "data_type": data_type, "dims": dims, "optional": optional}
-
-
-_COMMON_INPUTS = [
-    _io("sampling_parameters", "TYPE_STRING", [1]),
-    *(_io(name, "TYPE_BOOL", [1]) for name in FLAG_INPUTS),
-    *(_io(name, data_type, [1]) for name, (data_type, _) in SCALAR_INPUTS.items()),
-    _io("stop_words", "TYPE_STRING", [-1]),
-]
-_COMMON_OUTPUTS = [
-    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
-    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
-    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [1]},
-]
-# mode "text": the vllm_backend-compatible text model. The prompt is text_input, or (nanoserve's addition, as the
-# token model names it) input_ids: token ids fed to the model as they are; exactly one of the two.
-TEXT_INPUTS = [_io("text_input", "TYPE_STRING", [1]), _io("input_ids", "TYPE_INT32", [-1]), *_COMMON_INPUTS]
-TEXT_OUTPUTS = [{"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]}, *_COMMON_OUTPUTS]
-# mode "tokens": the ensemble's token-level engine. Besides the new ids, each response carries the ids that
-# precede them (see serving/stub/ensemble.py), so the postprocessing model can detokenize statelessly.
-TOKEN_INPUTS = [_io("input_ids", "TYPE_INT32", [-1], optional=False), *_COMMON_INPUTS]
-TOKEN_OUTPUTS = [
-    {"name": "output_ids", "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": "context_ids", "data_type": "TYPE_INT32", "dims": [-1]},
-    {"name": "detokenize_params", "data_type": "TYPE_STRING", "dims": [1]},
-    {"name": "request_id", "data_type": "TYPE_STRING", "dims": [1]},  # what a cancel_request_id control names
-    *_COMMON_OUTPUTS,
-]
 
 
 @dataclass
@@ -86,12 +42,12 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
     "parameters": {...}); it holds the sampling parameters when there is no sampling_parameters tensor.
     max_model_len bounds input_ids before they are read."""
     prompt = _token_prompt(get, max_model_len) if tokens else text_model_prompt(get, max_model_len)
-    tensor = get("sampling_parameters")
+    tensor = get(SAMPLING_PARAMETERS.name)
     if tensor is None:
         values = _request_parameters(parameters)
         flag_values = {name: values.pop(name) for name in FLAG_INPUTS if name in values}  # may come this way too
     else:
-        values, flag_values = json_object("sampling_parameters", single("sampling_parameters", tensor)), {}
+        values, flag_values = json_object(SAMPLING_PARAMETERS.name, single(SAMPLING_PARAMETERS.name, tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
     params = _sampling_params({**values, **_scalar_tensors(get)})
     if tokens and params.n > 1:
@@ -120,29 +76,24 @@ def name_prompt_input(message: str, input_name: str) -> str:
     return input_name + message[len("prompt"):] if message.startswith("prompt:") else message
 
 
-def prompt_input(prompt: str | list[int]) -> str:
-    """The input a text model's prompt came in."""
-    return "text_input" if isinstance(prompt, str) else "input_ids"
-
-
 def text_model_prompt(get: Getter, max_model_len: int | None) -> str | list[int]:
     """The text model's prompt: text_input's text, or input_ids' token ids."""
-    if get("input_ids") is None:
+    if get(INPUT_IDS.name) is None:
         return parse_text_prompt(get)
-    if get("text_input") is not None:
+    if get(TEXT_INPUT.name) is not None:
         raise ValueError("input_ids: give text_input or input_ids, not both")
     return _token_prompt(get, max_model_len)
 
 
 def parse_text_prompt(get: Getter) -> str:
-    value = utf8("text_input", single("text_input", required(get, "text_input")))
+    value = utf8(TEXT_INPUT.name, single(TEXT_INPUT.name, required(get, TEXT_INPUT.name)))
     if not value:
         raise ValueError("text_input: empty prompt")
     return value
 
 
 def _token_prompt(get: Getter, max_model_len: int | None) -> list[int]:
-    array = required(get, "input_ids")
+    array = required(get, INPUT_IDS.name)
     if array.dtype.kind not in "iu":
         raise ValueError(f"input_ids: expected integer token ids, got {array.dtype}")
     if max_model_len is not None and array.size >= max_model_len:
@@ -196,16 +147,16 @@ def _flag(get: Getter, name: str, fallback) -> bool:
 
 def _scalar_tensors(get: Getter) -> dict:
     values = {}
-    for name, (data_type, param) in SCALAR_INPUTS.items():
+    for name, spec in SCALAR_INPUTS.items():  # each sets the SamplingParams field of its name
         array = get(name)
         if array is None:
             continue
         value = single(name, array)
-        integer = data_type != "TYPE_FP32"
+        integer = is_integer(spec)
         if integer and not isinstance(value, np.integer) or not integer and not isinstance(value, np.number):
-            raise ValueError(f"{name}: expected {data_type[5:]}, got {np.asarray(value).dtype}")
-        values[param] = int(value) if integer else float(value)
-    stop_words = get("stop_words")
+            raise ValueError(f"{name}: expected {spec.data_type[5:]}, got {np.asarray(value).dtype}")
+        values[name] = int(value) if integer else float(value)
+    stop_words = get(STOP_WORDS.name)
     if stop_words is not None:
         values["stop"] = _stop_words(stop_words)
     return values
@@ -217,7 +168,7 @@ def _stop_words(array: np.ndarray) -> list[str]:
     words = array.reshape(-1).tolist()
     if any(isinstance(w, (bytes, str)) and len(w) > MAX_STOP_WORD_BYTES for w in words):
         raise ValueError(f"stop_words: an entry has at most {MAX_STOP_STRING_CHARS} characters")
-    return [utf8("stop_words", w) for w in words if w]
+    return [utf8(STOP_WORDS.name, w) for w in words if w]
 
 
 def utf8(name: str, value) -> str:

@@ -13,19 +13,20 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
+from nanoserve.serving.shared.contracts.vllm_text import COMMON_OUTPUTS, TEXT_OUTPUTS, prompt_input
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
-from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input, prompt_input
+from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
+TEXT_OUTPUT = TEXT_OUTPUTS["text_output"]
 TOKEN_LEVEL_OUTPUTS = frozenset({"logprobs", "cumulative_logprob", "num_output_tokens"})
 
 
@@ -424,7 +425,7 @@ def text_arrays(stream: Stream, outputs: list, token_text, send_empty: bool = Fa
     if not send:
         return None  # text held back (an incomplete character or a possible stop string)
     entries = streamed_entries(stream, outputs)
-    return {"text_output": string_array([entry.text for entry in entries]),
+    return {TEXT_OUTPUT.name: TEXT_OUTPUT.array([entry.text for entry in entries]),
             **optional_arrays(request, entries, prompt_logprobs, token_text)}
 
 
@@ -437,7 +438,7 @@ def whole_text_arrays(stream: Stream, outputs: list, token_text, decode=None) ->
     prefix = "" if stream.request.exclude_input else prompt if isinstance(prompt, str) else decode(prompt)
     entries = [Entry(prefix + sample.whole.text_delta, whole_generated(sample), sample.last)
                for sample in stream.samples]
-    return {"text_output": string_array([entry.text for entry in entries]),
+    return {TEXT_OUTPUT.name: TEXT_OUTPUT.array([entry.text for entry in entries]),
             **optional_arrays(stream.request, entries, prompt_logprobs_of(stream), token_text)}
 
 
@@ -475,27 +476,24 @@ def prompt_logprobs_of(stream: Stream):
 def optional_arrays(request: ParsedRequest, entries: list[Entry], prompt_logprobs, token_text) -> dict:
     """The outputs the request asked for with return_* flags, in vllm_backend's formats, one entry per sample
     (num_input_tokens and prompt_logprobs: one per request)."""
-    arrays, outputs = {}, request.outputs
+    values, outputs = {}, request.outputs
     if "finish_reason" in outputs:
-        arrays["finish_reason"] = string_array([finish_reason_text(entry.output) for entry in entries])
+        values["finish_reason"] = [finish_reason_text(entry.output) for entry in entries]
     if "cumulative_logprob" in outputs:
-        arrays["cumulative_logprob"] = np.array([0.0 if entry.output is None else entry.output.cumulative_logprob
-                                                 for entry in entries], dtype=np.float32)
+        values["cumulative_logprob"] = [0.0 if entry.output is None else entry.output.cumulative_logprob
+                                        for entry in entries]
     if "logprobs" in outputs:
         top_n = request.sampling_params.logprobs
-        arrays["logprobs"] = string_array([json.dumps(None if top_n is None else
-                                                      vllm_logprobs(entry.generated, top_n, token_text))
-                                           for entry in entries])
+        values["logprobs"] = [json.dumps(None if top_n is None else vllm_logprobs(entry.generated, top_n, token_text))
+                              for entry in entries]
     if "num_input_tokens" in outputs:
         first = next(entry.output for entry in entries if entry.output is not None)
-        arrays["num_input_tokens"] = np.array([first.num_prompt_tokens], dtype=np.uint32)
+        values["num_input_tokens"] = [first.num_prompt_tokens]
     if "num_output_tokens" in outputs:
-        arrays["num_output_tokens"] = np.array([len(entry.generated.token_ids) for entry in entries],
-                                               dtype=np.uint32)
+        values["num_output_tokens"] = [len(entry.generated.token_ids) for entry in entries]
     if "prompt_logprobs" in outputs:
-        arrays["prompt_logprobs"] = string_array([json.dumps(prompt_logprobs_json(request, prompt_logprobs,
-                                                                                  token_text))])
-    return arrays
+        values["prompt_logprobs"] = [json.dumps(prompt_logprobs_json(request, prompt_logprobs, token_text))]
+    return {name: COMMON_OUTPUTS[name].array(value) for name, value in values.items()}
 
 
 def finish_reason_text(output) -> str:
@@ -524,7 +522,3 @@ def vllm_logprobs(generated: Generated, top_n: int, token_text) -> list[dict]:
         per_token.append({str(t): {"logprob": entry[t], "rank": ranks[t], "decoded_token": token_text(t)}
                           for t in [token_id, *top]})
     return per_token
-
-
-def string_array(texts: list[str]) -> np.ndarray:
-    return np.array([text.encode("utf-8") for text in texts], dtype=np.object_)
