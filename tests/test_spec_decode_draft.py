@@ -402,11 +402,11 @@ def test_graphs_replay_the_drafts_proposals_and_the_verify_steps(models, make_ll
     from test_cuda_graph import capture, spy_query_lens, use_triton_kernels
 
     use_triton_kernels(monkeypatch)
-    target, prompts = models["target"], random_prompts(seed=14)[1:3]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    target, prompts = models["target"], random_prompts(seed=14)[1:2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     base = generate(make_llm(target, kvcache_block_size=BLOCK), prompts, params)
     llm = make_llm(target, kvcache_block_size=BLOCK, attention_backend="triton", num_kvcache_blocks=32,
-                   max_num_seqs=4, speculative_config=draft(target))
+                   max_num_seqs=2, speculative_config=draft(target))
     runner = llm.engine.executor.runner
     runner.graphs, runner.draft.graphs = runner.graph_runner(), runner.draft_graph_runner()
     query_lens = {}
