@@ -206,11 +206,10 @@ def test_decode_buckets_and_fallback():
     assert decode_buckets(3) == [1, 2, 3]
     buckets = decode_buckets(64)
     assert [pick_bucket(buckets, b) for b in (1, 3, 5, 16, 17, 64, 65)] == [1, 4, 8, 16, 32, 64, None]
-    assert fits_graph(buckets, max_blocks=8, batch_size=20, table_width=8, decode_only=True)
-    assert not fits_graph(buckets, 8, 65, 8, True)  # batch bigger than the largest graph
-    assert not fits_graph(buckets, 8, 20, 9, True)  # block table wider than the captured one
-    assert not fits_graph(buckets, 8, 20, 4, False)  # a prefill step
-    assert not fits_graph(buckets, 8, 0, 4, True)
+    assert fits_graph(buckets, max_blocks=8, batch_size=20, table_width=8)
+    assert not fits_graph(buckets, 8, 65, 8)  # batch bigger than the largest graph
+    assert not fits_graph(buckets, 8, 20, 9)  # block table wider than the captured one
+    assert not fits_graph(buckets, 8, 0, 4)  # (a prefill step: CUDAGraphRunner.can_run, test_cuda_graph.py)
 
 
 class _EagerGraph:

@@ -225,6 +225,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 32
     model: str | None = None  # the draft model (method "draft_model"): a checkpoint directory or a .gguf file
 
+    def max_proposing_seqs(self, max_num_seqs: int) -> int:
+        """The most requests running while proposals are still made (fewer than disable_by_batch_size)."""
+        limit = self.disable_by_batch_size
+        return max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+
     @classmethod
     def from_dict(cls, given) -> "SpeculativeConfig":
         """vLLM's spelling; ValueError naming the field for anything this engine cannot run. A draft model's

@@ -31,8 +31,8 @@ def pick_bucket(buckets: list[int], batch_size: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-def fits_graph(buckets: list[int], max_blocks: int, batch_size: int, table_width: int, decode_only: bool) -> bool:
-    return decode_only and 0 < batch_size and table_width <= max_blocks and pick_bucket(buckets, batch_size) is not None
+def fits_graph(buckets: list[int], max_blocks: int, batch_size: int, table_width: int) -> bool:
+    return 0 < batch_size and table_width <= max_blocks and pick_bucket(buckets, batch_size) is not None
 
 
 def verify_buckets(verify_len: int, max_verify_seqs: int) -> list[int]:
@@ -106,9 +106,9 @@ class CUDAGraphRunner:
     def can_run(self, batch_size: int, table_width: int, max_query_len: int) -> bool:
         """Whether a step of batch_size sequences with up to max_query_len query tokens each fits a graph."""
         if max_query_len == 1:
-            return fits_graph(self.buckets, self.max_blocks, batch_size, table_width, True)
+            return fits_graph(self.buckets, self.max_blocks, batch_size, table_width)
         return max_query_len <= self.verify_len and fits_graph(self.verify_buckets, self.max_blocks, batch_size,
-                                                               table_width, True)
+                                                               table_width)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Replay for a step that `can_run`; returns hidden states [step tokens, hidden]: a view of the

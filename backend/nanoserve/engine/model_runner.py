@@ -138,9 +138,7 @@ class ModelRunner:
         speculative decoding, verify steps while it proposes (fewer than disable_by_batch_size sequences)."""
         c, spec = self.config, self.config.speculative_config
         verify_len = 1 if spec is None else 1 + spec.num_speculative_tokens
-        max_verify_seqs = c.max_num_seqs
-        if spec is not None and spec.disable_by_batch_size is not None:
-            max_verify_seqs = spec.disable_by_batch_size - 1
+        max_verify_seqs = 0 if spec is None else spec.max_proposing_seqs(c.max_num_seqs)
         return CUDAGraphRunner(self.model, self.backend, c.max_num_seqs, self.max_blocks_per_seq, c.max_model_len,
                                c.hf_config.hidden_size, self.dtype, self.device, verify_len, max_verify_seqs)
 

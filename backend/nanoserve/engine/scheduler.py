@@ -157,8 +157,7 @@ class Scheduler:
         return counts, num_batched
 
     def _speculates(self) -> bool:
-        limit = self.speculative.disable_by_batch_size
-        return bool(self.running) and (limit is None or len(self.running) < limit)
+        return 0 < len(self.running) <= self.speculative.max_proposing_seqs(self.max_num_seqs)
 
     def _schedule_drafts(self, out: SchedulerOutput, counts: np.ndarray, num_batched: int) -> tuple[np.ndarray, int]:
         """Proposed tokens for the decoding rows, within the budget, the length limits and the free blocks (a
