@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
 from nanoserve.serving.shared.contracts.vllm_text import COMMON_OUTPUTS, TEXT_OUTPUTS, prompt_input
