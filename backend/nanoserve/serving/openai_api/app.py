@@ -20,14 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nanoserve.serving.openai_api.chat import render_chat
-from nanoserve.serving.openai_api.errors import APIError, bad_request, from_field_error
+from nanoserve.errors import RequestError
+from nanoserve.serving.openai_api.errors import APIError, bad_request
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.engine.tokenize import encode_prompt_text, token_decoder
 from nanoserve.serving.openai_api.tokenizer_routes import add_tokenizer_routes
 from nanoserve.serving.openai_api.tools import Parser, check_tool_choice, make_parser
-from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
+from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs, triton_error
 
 
 class ClientGone(Exception):
@@ -147,16 +148,16 @@ async def respond(request: Request, fmt: Format, target: Target):
                                        prompt_logprobs), request_id=uuid.uuid4().hex, prompt_index=index)
                for index, prompt in enumerate(fmt.prompts)]
     chunks = streams[0] if len(streams) == 1 else merged(streams)
+    names = body.sampling_values()[1]  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
     try:
         if not body.stream:
             return JSONResponse(fmt.full(await unless_disconnected(request, collect(chunks))))
         first = await unless_disconnected(request, anext(chunks))  # an error before any text is an HTTP error
     except ClientGone:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except APIError as error:  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
-        names = body.sampling_values()[1]
-        raise from_field_error(error.message, names) if error.status == 400 and error.param in names else error
-    return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
+    except RequestError as error:
+        raise triton_error(error, names) from None
+    return StreamingResponse(sse(fmt, first, chunks, names), media_type="text/event-stream")
 
 
 async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
@@ -213,7 +214,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
+async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk], names: dict[str, str]) -> AsyncIterator[str]:
     """Server-sent events: the format's opening events, one per chunk, the usage, then [DONE]. An error midway
     is an error event. When the client disconnects, Starlette cancels this (and so the Triton request)."""
     try:
@@ -224,8 +225,8 @@ async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncI
                 yield _event(event)
         for event in fmt.end():
             yield _event(event)
-    except APIError as error:
-        yield _event(error.body())
+    except RequestError as error:
+        yield _event(triton_error(error, names).body())
     yield "data: [DONE]\n\n"
 
 

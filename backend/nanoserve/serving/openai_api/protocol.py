@@ -9,7 +9,8 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.openai_api.errors import bad_request, from_field_error
+from nanoserve.errors import RequestError
+from nanoserve.serving.openai_api.errors import api_error, bad_request
 from nanoserve.serving.openai_api.tools import function_schema, required_schema
 
 
@@ -195,8 +196,8 @@ class SamplingRequest(RequestBody):
         values, names = self.sampling_values()
         try:
             SamplingParams.from_dict(values)
-        except ValueError as e:
-            raise from_field_error(str(e), names) from None
+        except RequestError as e:
+            raise api_error(e, names) from None
         return values
 
     @property

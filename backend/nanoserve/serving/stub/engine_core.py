@@ -25,6 +25,7 @@ import msgspec
 
 from nanoserve.engine.executor import use_a_python_executable
 from nanoserve.engine.tokenize import max_prompt_bytes
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult, tokenized
 from nanoserve.thread_names import set_os_thread_name
@@ -107,12 +108,25 @@ def _read_commands(commands, engine_thread: EngineThread) -> None:
 def _send_results(steps: queue.SimpleQueue, results) -> None:
     """Encode and send each StepResult (None ends); a stub that has gone ends it too."""
     set_os_thread_name("ns-core-out")
-    encoder = msgspec.msgpack.Encoder()
+    encoder = msgspec.msgpack.Encoder(enc_hook=_encode_error)
     while (step := steps.get()) is not None:
         try:
             results.send_bytes(encoder.encode(step))
         except OSError:
             return
+
+
+def _encode_error(value) -> list:
+    """A StepResult's RequestErrors travel as [field, message, kind]."""
+    if isinstance(value, RequestError):
+        return [value.field, value.message, value.kind.value]
+    raise NotImplementedError(type(value))
+
+
+def _decode_error(kind: type, value):
+    if kind is RequestError:
+        return RequestError(value[0], value[1], ErrorKind(value[2]))
+    raise NotImplementedError(kind)
 
 
 # ---- the stub's side ----------------------------------------------------------------------------------------------
@@ -189,7 +203,7 @@ class EngineCoreClient:
 
     def _read_results(self) -> None:
         set_os_thread_name("ns-core-in")
-        decoder = msgspec.msgpack.Decoder(StepResult)
+        decoder = msgspec.msgpack.Decoder(StepResult, dec_hook=_decode_error)
         while True:
             try:
                 step = decoder.decode(self._results.recv_bytes())

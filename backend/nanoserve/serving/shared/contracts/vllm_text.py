@@ -3,7 +3,7 @@ sampling_parameters JSON, TRT-LLM's scalars (trtllm_scalars.py) and boolean flag
 the return_* flags ask for out, one entry per sequence of the request (n of them).
 
 The stub parses a request with stub/request.py and formats its responses with stub/responses.py; a client builds
-a request with `TextRequest` and reads a response with `decode_response`.
+a request with `TextRequest`, reads a response with `decode_response` and an error with `decode_error`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.serving.shared.contracts import trtllm_scalars
 from nanoserve.serving.shared.contracts.tensors import TensorSpec, grpc_inputs, json_values, specs, values_of
 
@@ -47,6 +48,11 @@ def prompt_input(prompt: str | list[int]) -> str:
     return TEXT_INPUT.name if isinstance(prompt, str) else INPUT_IDS.name
 
 
+def on_prompt_input(error: RequestError, input_name: str) -> RequestError:
+    """The engine's errors about the "prompt" as the client knows it: about the input it sent the prompt in."""
+    return error.renamed(input_name) if error.field == "prompt" else error
+
+
 # ---- the client half -------------------------------------------------------------------------------------
 @dataclass
 class TextRequest:
@@ -60,7 +66,7 @@ class TextRequest:
     def arrays(self) -> dict[str, np.ndarray]:
         unknown = sorted(set(self.flags) - set(FLAG_INPUTS))
         if unknown:
-            raise ValueError(f"{unknown[0]}: not a flag of the text model (known: {', '.join(FLAG_INPUTS)})")
+            raise RequestError(unknown[0], f"not a flag of the text model (known: {', '.join(FLAG_INPUTS)})")
         name = prompt_input(self.prompt)
         arrays = {name: TEXT_INPUTS[name].array(self.prompt)}
         if self.sampling_parameters is not None:
@@ -123,3 +129,26 @@ def decode_response(get) -> TextResponse:
                         [json.loads(entry) for entry in strings("logprobs")],
                         num_input[0] if num_input else None,
                         json.loads(prompt_logprobs[0]) if prompt_logprobs else None)
+
+
+# Triton errors on gRPC streams carry only their text: a RequestError's kind is in its words. Bad input starts with
+# its field; nanoserve's own failures with "internal error"; the rest are tritonserver's or the stub's words for a
+# model that is unloading, gone or failed (serving/stub/responses.py, serving/shared/engine_model.py) or a server
+# shutting down (serving/stub/shutdown.py, serving/serve/drain.py), and for a model it does not know.
+UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
+                       "the server is shutting down")
+NOT_FOUND_MARKERS = ("unknown model", "is not found")
+
+
+def decode_error(message: str) -> RequestError:
+    """A Triton error's text as the RequestError it reports (str() of the result is the message)."""
+    error = RequestError.parse(message)
+    if error.field is not None:
+        return error
+    if message.startswith("internal error") or "Traceback" in message:
+        return RequestError(None, message, ErrorKind.INTERNAL)
+    if any(marker in message for marker in UNAVAILABLE_MARKERS):
+        return RequestError(None, message, ErrorKind.UNAVAILABLE)
+    if any(marker in message for marker in NOT_FOUND_MARKERS):
+        return RequestError(None, message, ErrorKind.NOT_FOUND)
+    return error  # tritonserver's own check of the request's inputs

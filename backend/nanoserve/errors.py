@@ -1,0 +1,62 @@
+"""A request's error as a typed value: the field it is about, what is wrong with it, and its kind. The check that
+finds it raises it; the stub reports it as a Triton error on the client's input tensor, the OpenAI API as an HTTP
+error naming its parameter, `LLM` as the exception itself.
+
+Its text is "field: message" (the message alone without a field): what users read, and what a Triton error
+carries across gRPC, where a stream's error has no code (serving/shared/contracts/vllm_text.py decodes it).
+"""
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+FIELD = re.compile(r"[A-Za-z_]\w*(?:\.\w+)*", re.ASCII)  # "top_p", "text_input", "prompt.0", "messages.0.content"
+
+
+class ErrorKind(Enum):
+    INVALID = "invalid"  # bad input: Triton INVALID_ARG, HTTP 400
+    NOT_FOUND = "not_found"  # no such model: HTTP 404
+    UNAVAILABLE = "unavailable"  # the model failed, is unloading, or the server is shutting down: HTTP 503
+    CANCELLED = "cancelled"  # the client cancelled the request
+    INTERNAL = "internal"  # nanoserve's own failure: HTTP 500
+
+
+class RequestError(ValueError):
+    """A ValueError (every `except ValueError` still catches bad input) that says its field and kind."""
+
+    def __init__(self, field: str | None, message: str, kind: ErrorKind = ErrorKind.INVALID):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field, self.message, self.kind = field or None, message, kind
+
+    def within(self, parent: str) -> "RequestError":
+        """This error about a part of `parent` ("json" of structured_outputs) as one about parent itself."""
+        return RequestError(parent, str(self), self.kind)
+
+    def renamed(self, field: str | None) -> "RequestError":
+        return RequestError(field, self.message, self.kind)
+
+    @classmethod
+    def parse(cls, text: str, kind: ErrorKind = ErrorKind.INVALID) -> "RequestError":
+        """The error whose text this is: "field: message", or the message alone when it starts with no field."""
+        field, separator, message = text.partition(": ")
+        if separator and FIELD.fullmatch(field):
+            return cls(field, message, kind)
+        return cls(None, text, kind)
+
+    @classmethod
+    def of(cls, error: ValueError) -> "RequestError":
+        """A ValueError as a RequestError: itself, or one raised as a plain ValueError by its text."""
+        return error if isinstance(error, RequestError) else cls.parse(str(error))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RequestError) and (self.field, self.message, self.kind) == \
+            (other.field, other.message, other.kind)
+
+    def __hash__(self) -> int:
+        return hash((self.field, self.message, self.kind))
+
+    def __repr__(self) -> str:
+        return f"RequestError({self.field!r}, {self.message!r}, {self.kind})"
+
+    def __reduce__(self):  # pickling rebuilds it from its parts, not from its text
+        return RequestError, (self.field, self.message, self.kind)
