@@ -108,7 +108,7 @@ def _read_commands(commands, engine_thread: EngineThread) -> None:
 def _send_results(steps: queue.SimpleQueue, results) -> None:
     """Encode and send each StepResult (None ends); a stub that has gone ends it too."""
     set_os_thread_name("ns-core-out")
-    encoder = msgspec.msgpack.Encoder(enc_hook=_encode_error)
+    encoder = step_encoder()
     while (step := steps.get()) is not None:
         try:
             results.send_bytes(encoder.encode(step))
@@ -116,17 +116,21 @@ def _send_results(steps: queue.SimpleQueue, results) -> None:
             return
 
 
-def _encode_error(value) -> list:
-    """A StepResult's RequestErrors travel as [field, message, kind]."""
-    if isinstance(value, RequestError):
-        return [value.field, value.message, value.kind.value]
-    raise NotImplementedError(type(value))
+def step_encoder() -> msgspec.msgpack.Encoder:
+    """StepResults as the core sends them: their RequestErrors as [field, message, kind]."""
+    def error_parts(value) -> list:
+        if isinstance(value, RequestError):
+            return [value.field, value.message, value.kind.value]
+        raise NotImplementedError(type(value))
+    return msgspec.msgpack.Encoder(enc_hook=error_parts)
 
 
-def _decode_error(kind: type, value):
-    if kind is RequestError:
-        return RequestError(value[0], value[1], ErrorKind(value[2]))
-    raise NotImplementedError(kind)
+def step_decoder() -> msgspec.msgpack.Decoder:
+    def error_of(kind: type, parts: list):
+        if kind is RequestError:
+            return RequestError(parts[0], parts[1], ErrorKind(parts[2]))
+        raise NotImplementedError(kind)
+    return msgspec.msgpack.Decoder(StepResult, dec_hook=error_of)
 
 
 # ---- the stub's side ----------------------------------------------------------------------------------------------
@@ -203,7 +207,7 @@ class EngineCoreClient:
 
     def _read_results(self) -> None:
         set_os_thread_name("ns-core-in")
-        decoder = msgspec.msgpack.Decoder(StepResult, dec_hook=_decode_error)
+        decoder = step_decoder()
         while True:
             try:
                 step = decoder.decode(self._results.recv_bytes())
