@@ -20,7 +20,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
 from nanoserve.errors import FIELD, ErrorKind, RequestError
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient, step_decoder, step_encoder
+from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient, step_codec
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult
 
 import msgspec
@@ -199,7 +199,8 @@ step_results = st.builds(StepResult, outputs=st.lists(request_outputs, max_size=
 @settings(max_examples=200, deadline=None)
 @given(step_results)
 def test_a_step_result_arrives_as_it_was_sent(step):
-    assert step_decoder().decode(step_encoder().encode(step)) == step
+    encoder, decoder = step_codec()
+    assert decoder.decode(encoder.encode(step)) == step
 
 
 def test_commands_arrive_as_they_were_sent():

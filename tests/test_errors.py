@@ -8,27 +8,26 @@ from hypothesis import strategies as st
 
 from nanoserve.errors import FIELD, ErrorKind, RequestError
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.shared.contracts.vllm_text import (NOT_FOUND_MARKERS, UNAVAILABLE_MARKERS, decode_error,
-                                                          on_prompt_input)
+from nanoserve.serving.shared.contracts.vllm_text import MARKERS, decode_error
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 
 fields = st.from_regex(FIELD, fullmatch=True)
 texts = st.text(st.characters(codec="utf-8"), max_size=40)
+plain = texts.filter(lambda text: not any(word in text for words in MARKERS.values() for word in words))
 
 
-def with_marker(markers):
-    return st.tuples(texts, st.sampled_from(markers), texts).map("".join).filter(lambda m: not RequestError.parse(
-        m).field)
+def with_marker(kind):
+    return st.tuples(plain, st.sampled_from(MARKERS[kind]), plain).map("".join).filter(
+        lambda message: not message.startswith("internal error") and not RequestError.parse(message).field)
 
 
-# every error nanoserve sends a client: bad input names its field (any message); its own failures start with
-# "internal error"; an unavailable model or server says so in the stub's or tritonserver's words
+# every error a client gets: bad input names its field (any message); nanoserve's own failures start with
+# "internal error"; the others say what they are in the stub's or tritonserver's words
 sent_errors = st.one_of(
     st.builds(RequestError, fields, texts),
     st.builds(RequestError, st.none(), texts.map("internal error: ".__add__), st.just(ErrorKind.INTERNAL)),
-    st.builds(RequestError, st.none(), texts.map(UNAVAILABLE.__add__), st.just(ErrorKind.UNAVAILABLE)),
-    st.builds(RequestError, st.none(), with_marker(UNAVAILABLE_MARKERS), st.just(ErrorKind.UNAVAILABLE)),
-    st.builds(RequestError, st.none(), with_marker(NOT_FOUND_MARKERS), st.just(ErrorKind.NOT_FOUND)),
+    st.builds(RequestError, st.none(), plain.map(UNAVAILABLE.__add__), st.just(ErrorKind.UNAVAILABLE)),
+    *(st.builds(RequestError, st.none(), with_marker(kind), st.just(kind)) for kind in MARKERS),
 )
 
 
@@ -80,7 +79,8 @@ def test_sampling_params_raise_the_field_as_an_attribute(params, field, message)
     assert decode_error(str(info.value)) == info.value
 
 
-def test_an_error_about_the_prompt_names_the_input_it_came_in():
-    error = RequestError("prompt", "too long")
-    assert on_prompt_input(error, "input_ids") == RequestError("input_ids", "too long")
-    assert on_prompt_input(RequestError("top_p", "x"), "input_ids") == RequestError("top_p", "x")
+def test_renaming_changes_only_the_fields_it_names():
+    names = {"prompt": "input_ids"}
+    assert RequestError("prompt", "too long").renamed(names) == RequestError("input_ids", "too long")
+    assert RequestError("top_p", "x").renamed(names) == RequestError("top_p", "x")
+    assert RequestError(None, "x", ErrorKind.INTERNAL).renamed(names) == RequestError(None, "x", ErrorKind.INTERNAL)

@@ -12,13 +12,12 @@ from tokenizers import processors
 
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.openai_api.chat import render_chat
-from nanoserve.serving.openai_api.errors import APIError
+from nanoserve.serving.openai_api.errors import APIError, api_error
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat
 from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs, top_prompt_logprobs
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.serving.openai_api.tools import check_tool_choice, make_parser
 from nanoserve.serving.openai_api.triton import Chunk, triton_error
-from nanoserve.serving.shared.contracts.vllm_text import decode_error
 from nanoserve.tiny_model import build_tokenizer
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -210,7 +209,7 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first_for_each_prompt_and_sam
 def test_triton_errors_become_http_errors(message, status, param, http_message):
     """A Triton error's text is decoded once (vllm_text.decode_error); the HTTP error takes its status from the
     kind and its param from the field, by the API's names (here a chat request's logprobs -> top_logprobs)."""
-    error = triton_error(decode_error(message), {"logprobs": "top_logprobs"})
+    error = api_error(triton_error(message, {"logprobs": "top_logprobs"}))
     assert (error.status, error.param, error.message) == (status, param, http_message or message)
 
 

@@ -54,6 +54,8 @@ def from_text(name: str, kind: str, value):
             return json.loads(text)
     except ValueError:
         raise RequestError(name, f"expected {_article(base)}, got {value!r}") from None
+    except RecursionError:  # JSON nested past Python's recursion limit ("[[[[...")
+        raise RequestError(name, "nested too deeply") from None
     return value
 
 

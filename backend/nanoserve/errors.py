@@ -14,11 +14,12 @@ FIELD = re.compile(r"[A-Za-z_]\w*(?:\.\w+)*", re.ASCII)  # "top_p", "text_input"
 
 
 class ErrorKind(Enum):
-    INVALID = "invalid"  # bad input: Triton INVALID_ARG, HTTP 400
-    NOT_FOUND = "not_found"  # no such model: HTTP 404
-    UNAVAILABLE = "unavailable"  # the model failed, is unloading, or the server is shutting down: HTTP 503
-    CANCELLED = "cancelled"  # the client cancelled the request
-    INTERNAL = "internal"  # nanoserve's own failure: HTTP 500
+    """Each kind's value is the name of its TritonError code."""
+    INVALID = "INVALID_ARG"  # bad input: HTTP 400
+    NOT_FOUND = "NOT_FOUND"  # no such model: HTTP 404
+    UNAVAILABLE = "UNAVAILABLE"  # the model failed, is unloading, or the server is shutting down: HTTP 503
+    CANCELLED = "CANCELLED"  # the client cancelled the request
+    INTERNAL = "INTERNAL"  # nanoserve's own failure: HTTP 500
 
 
 class RequestError(ValueError):
@@ -26,14 +27,15 @@ class RequestError(ValueError):
 
     def __init__(self, field: str | None, message: str, kind: ErrorKind = ErrorKind.INVALID):
         super().__init__(f"{field}: {message}" if field else message)
-        self.field, self.message, self.kind = field or None, message, kind
+        self.field, self.message, self.kind = field or None, message, ErrorKind(kind)
 
     def within(self, parent: str) -> "RequestError":
         """This error about a part of `parent` ("json" of structured_outputs) as one about parent itself."""
         return RequestError(parent, str(self), self.kind)
 
-    def renamed(self, field: str | None) -> "RequestError":
-        return RequestError(field, self.message, self.kind)
+    def renamed(self, names: dict[str, str]) -> "RequestError":
+        """This error with its field as `names` calls it (the engine's "prompt" is the stub's text_input)."""
+        return RequestError(names.get(self.field, self.field), self.message, self.kind)
 
     @classmethod
     def parse(cls, text: str, kind: ErrorKind = ErrorKind.INVALID) -> "RequestError":

@@ -198,6 +198,8 @@ def _json_object(name: str, value, what: str = "a JSON object") -> dict:
             value = json.loads(value)
         except ValueError as e:
             raise RequestError(name, f"invalid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError(name, "invalid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
         raise RequestError(name, f"expected {what}, got {type(value).__name__}")
     return value

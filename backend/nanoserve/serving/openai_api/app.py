@@ -21,14 +21,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nanoserve.serving.openai_api.chat import render_chat
 from nanoserve.errors import RequestError
-from nanoserve.serving.openai_api.errors import APIError, bad_request
+from nanoserve.serving.openai_api.errors import APIError, api_error, bad_request
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from nanoserve.engine.tokenize import encode_prompt_text, token_decoder
 from nanoserve.serving.openai_api.tokenizer_routes import add_tokenizer_routes
 from nanoserve.serving.openai_api.tools import Parser, check_tool_choice, make_parser
-from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs, triton_error
+from nanoserve.serving.openai_api.triton import Chunk, generate, request_inputs
 
 
 class ClientGone(Exception):
@@ -49,6 +49,7 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None,
 
     app = FastAPI(title="nanoserve OpenAI-compatible API", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(RequestError, lambda request, error: api_error(error).response())
     app.add_exception_handler(RequestValidationError, lambda request, error: validation_error(error).response())
 
     @app.get("/v1/models")
@@ -143,21 +144,19 @@ async def respond(request: Request, fmt: Format, target: Target):
     if target.lora_name is not None:
         parameters["lora_name"] = target.lora_name
     prompt_logprobs = getattr(body, "wants_prompt_logprobs", False)
+    names = body.sampling_values()[1]  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
     streams = [generate(request.app.state.client, target.model,
                         request_inputs(prompt, parameters, body.stream, body.top_logprobs_count is not None,
-                                       prompt_logprobs), request_id=uuid.uuid4().hex, prompt_index=index)
+                                       prompt_logprobs), uuid.uuid4().hex, index, names)
                for index, prompt in enumerate(fmt.prompts)]
     chunks = streams[0] if len(streams) == 1 else merged(streams)
-    names = body.sampling_values()[1]  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
     try:
         if not body.stream:
             return JSONResponse(fmt.full(await unless_disconnected(request, collect(chunks))))
         first = await unless_disconnected(request, anext(chunks))  # an error before any text is an HTTP error
     except ClientGone:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except RequestError as error:
-        raise triton_error(error, names) from None
-    return StreamingResponse(sse(fmt, first, chunks, names), media_type="text/event-stream")
+    return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
 
 
 async def merged(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
@@ -214,7 +213,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk], names: dict[str, str]) -> AsyncIterator[str]:
+async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncIterator[str]:
     """Server-sent events: the format's opening events, one per chunk, the usage, then [DONE]. An error midway
     is an error event. When the client disconnects, Starlette cancels this (and so the Triton request)."""
     try:
@@ -226,7 +225,7 @@ async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk], names: di
         for event in fmt.end():
             yield _event(event)
     except RequestError as error:
-        yield _event(triton_error(error, names).body())
+        yield _event(api_error(error).body())
     yield "data: [DONE]\n\n"
 
 

@@ -27,10 +27,10 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def api_error(error: RequestError, names: dict[str, str] | None = None) -> APIError:
-    """A RequestError as an HTTP error naming the OpenAI parameter: names maps a field to the request's own name
-    for it (e.g. logprobs -> top_logprobs), and the message says that name."""
-    param = (names or {}).get(error.field, error.field)
+def api_error(error: ValueError, names: dict[str, str] | None = None) -> APIError:
+    """A RequestError (or a ValueError, RequestError.of) as an HTTP error naming the OpenAI parameter: names maps a
+    field to the request's own name for it (e.g. logprobs -> top_logprobs), and the message says that name."""
+    error = RequestError.of(error).renamed(names or {})
     if error.kind is ErrorKind.NOT_FOUND:
         return APIError(404, str(error), "model", "model_not_found")
-    return APIError(STATUS[error.kind], str(error.renamed(param)), param)
+    return APIError(STATUS[error.kind], str(error), error.field)

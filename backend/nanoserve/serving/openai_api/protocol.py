@@ -9,7 +9,6 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.errors import RequestError
 from nanoserve.serving.openai_api.errors import api_error, bad_request
 from nanoserve.serving.openai_api.tools import function_schema, required_schema
 
@@ -196,7 +195,7 @@ class SamplingRequest(RequestBody):
         values, names = self.sampling_values()
         try:
             SamplingParams.from_dict(values)
-        except RequestError as e:
+        except ValueError as e:
             raise api_error(e, names) from None
         return values
 

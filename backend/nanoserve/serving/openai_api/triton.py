@@ -8,9 +8,10 @@ from typing import AsyncIterator
 import tritonclient.grpc.aio as grpcaio
 
 from nanoserve.errors import RequestError
-from nanoserve.serving.openai_api.errors import APIError, api_error
 from nanoserve.serving.shared.contracts.vllm_text import (INPUT_IDS, TEXT_INPUT, TextRequest, decode_error,
                                                           decode_response)
+
+PROMPT_PARAMS = {TEXT_INPUT.name: "prompt", INPUT_IDS.name: "prompt"}  # the API's name of the inputs a prompt takes
 
 
 @dataclass
@@ -42,13 +43,13 @@ def parse_response(result) -> Chunk:
                  response.num_input_tokens, response.final, response.prompt_logprobs)
 
 
-async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
-                   request_id: str, prompt_index: int = 0) -> AsyncIterator[Chunk]:
+async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list, request_id: str,
+                   prompt_index: int = 0, names: dict[str, str] | None = None) -> AsyncIterator[Chunk]:
     """The request's responses until its last one: the one where every sequence has its finish reason (the
     flags-only FINAL that may follow is not asked for: tritonclient 2.69 and newer refuse the parameter that asks
     for it). Leaving before the last response (the HTTP client went away: the consumer is cancelled or closes
     this generator) cancels the gRPC call, and with it the request in the engine. A Triton error is raised as
-    the RequestError it reports."""
+    the RequestError it reports, named as the API names its fields (triton_error)."""
     async def requests():
         yield {"model_name": model, "inputs": inputs, "request_id": request_id}
 
@@ -58,7 +59,7 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
         async for result, error in responses:
             if error is not None:
                 ended = True
-                raise decode_error(error.message())
+                raise triton_error(error.message(), names)
             chunk = parse_response(result)
             chunk.prompt_index, ended = prompt_index, chunk.final
             yield chunk
@@ -69,10 +70,7 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
             responses.cancel()
 
 
-PROMPT_PARAMS = {TEXT_INPUT.name: "prompt", INPUT_IDS.name: "prompt"}  # the inputs a prompt travels in
-
-
-def triton_error(error: RequestError, names: dict[str, str] | None = None) -> APIError:
-    """A Triton error (decode_error's) as an HTTP error naming the API's parameter: the prompt's, or the request's
-    name for a sampling parameter in `names` (SamplingRequest.sampling_values)."""
-    return api_error(error, {**PROMPT_PARAMS, **(names or {})})
+def triton_error(message: str, names: dict[str, str] | None = None) -> RequestError:
+    """A Triton error's text (decode_error) with its field as the API names it: the prompt's inputs are "prompt", a
+    sampling parameter is what `names` (SamplingRequest.sampling_values) says, e.g. logprobs -> top_logprobs."""
+    return decode_error(message).renamed({**PROMPT_PARAMS, **(names or {})})

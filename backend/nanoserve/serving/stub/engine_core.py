@@ -25,7 +25,7 @@ import msgspec
 
 from nanoserve.engine.executor import use_a_python_executable
 from nanoserve.engine.tokenize import max_prompt_bytes
-from nanoserve.errors import ErrorKind, RequestError
+from nanoserve.errors import RequestError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult, tokenized
 from nanoserve.thread_names import set_os_thread_name
@@ -108,7 +108,7 @@ def _read_commands(commands, engine_thread: EngineThread) -> None:
 def _send_results(steps: queue.SimpleQueue, results) -> None:
     """Encode and send each StepResult (None ends); a stub that has gone ends it too."""
     set_os_thread_name("ns-core-out")
-    encoder = step_encoder()
+    encoder, _ = step_codec()
     while (step := steps.get()) is not None:
         try:
             results.send_bytes(encoder.encode(step))
@@ -116,21 +116,10 @@ def _send_results(steps: queue.SimpleQueue, results) -> None:
             return
 
 
-def step_encoder() -> msgspec.msgpack.Encoder:
-    """StepResults as the core sends them: their RequestErrors as [field, message, kind]."""
-    def error_parts(value) -> list:
-        if isinstance(value, RequestError):
-            return [value.field, value.message, value.kind.value]
-        raise NotImplementedError(type(value))
-    return msgspec.msgpack.Encoder(enc_hook=error_parts)
-
-
-def step_decoder() -> msgspec.msgpack.Decoder:
-    def error_of(kind: type, parts: list):
-        if kind is RequestError:
-            return RequestError(parts[0], parts[1], ErrorKind(parts[2]))
-        raise NotImplementedError(kind)
-    return msgspec.msgpack.Decoder(StepResult, dec_hook=error_of)
+def step_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    """StepResults as the core sends them: a RequestError (their one type msgspec does not know) as its parts."""
+    return (msgspec.msgpack.Encoder(enc_hook=lambda error: [error.field, error.message, error.kind]),
+            msgspec.msgpack.Decoder(StepResult, dec_hook=lambda kind, parts: RequestError(*parts)))
 
 
 # ---- the stub's side ----------------------------------------------------------------------------------------------
@@ -207,7 +196,7 @@ class EngineCoreClient:
 
     def _read_results(self) -> None:
         set_os_thread_name("ns-core-in")
-        decoder = step_decoder()
+        _, decoder = step_codec()
         while True:
             try:
                 step = decoder.decode(self._results.recv_bytes())

@@ -50,26 +50,12 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
     else:
         values, flag_values = json_object(SAMPLING_PARAMETERS.name, single(SAMPLING_PARAMETERS.name, tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
-    params = _sampling_params({**values, **_scalar_tensors(get)})
+    params = SamplingParams.from_dict({**values, **_scalar_tensors(get)})
     if tokens and params.n > 1:
         raise RequestError("n", f"the token model (the ensemble) generates one sequence per request, got {params.n}")
     # return_logprobs without a `logprobs` sampling parameter returns null, as vllm_backend does
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
-
-
-def _sampling_params(values: dict) -> SamplingParams:
-    try:
-        return SamplingParams.from_dict(values)
-    except RecursionError:  # a string value parsed as JSON (e.g. stop_token_ids "[[[[...") nested too deeply
-        for name, value in values.items():
-            try:
-                SamplingParams.from_dict({name: value})
-            except RecursionError:
-                raise RequestError(name, "nested too deeply") from None
-            except ValueError:
-                pass
-        raise RequestError("sampling_parameters", "nested too deeply") from None
 
 
 def text_model_prompt(get: Getter, max_model_len: int | None) -> str | list[int]:

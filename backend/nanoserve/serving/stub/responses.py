@@ -16,7 +16,7 @@ from typing import NamedTuple
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
 from nanoserve.errors import ErrorKind, RequestError
-from nanoserve.serving.shared.contracts.vllm_text import COMMON_OUTPUTS, TEXT_OUTPUTS, on_prompt_input, prompt_input
+from nanoserve.serving.shared.contracts.vllm_text import COMMON_OUTPUTS, TEXT_OUTPUTS, prompt_input
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
 from nanoserve.serving.stub.engine_thread import StepResult
@@ -28,8 +28,6 @@ from nanoserve.thread_names import set_os_thread_name
 logger = logging.getLogger(__name__)
 TEXT_OUTPUT = TEXT_OUTPUTS["text_output"]
 TOKEN_LEVEL_OUTPUTS = frozenset({"logprobs", "cumulative_logprob", "num_output_tokens"})
-TRITON_CODES = {ErrorKind.INVALID: "INVALID_ARG", ErrorKind.NOT_FOUND: "NOT_FOUND",  # each kind's TritonError code
-                ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.CANCELLED: "CANCELLED", ErrorKind.INTERNAL: "INTERNAL"}
 
 
 @dataclass
@@ -333,7 +331,7 @@ class ResponseThread:
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
-        error = on_prompt_input(error, prompt_input(stream.request.prompt))
+        error = error.renamed({"prompt": prompt_input(stream.request.prompt)})
         if finished:
             self._record_finished(stream)
         if stream.responded and self.ended_arrays is not None:
@@ -368,7 +366,7 @@ class ResponseThread:
         return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(name, a) for name, a in arrays.items()])
 
     def _send_error(self, sender, error: RequestError) -> None:
-        triton_error = self.pb.TritonError(str(error), getattr(self.pb.TritonError, TRITON_CODES[error.kind]))
+        triton_error = self.pb.TritonError(str(error), getattr(self.pb.TritonError, error.kind.value))
         sender.send(self.pb.InferenceResponse(error=triton_error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 

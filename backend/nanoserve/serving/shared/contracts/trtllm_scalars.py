@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from nanoserve.errors import RequestError
 from nanoserve.serving.shared.contracts.tensors import TensorSpec, specs
 
 # tensor name -> the SamplingParams field it sets (the same name)
@@ -30,7 +29,7 @@ def scalar_arrays(scalars: dict, stop_words: list[str] | None = None) -> dict[st
     """The client half: sampling values (tensor name -> number) and stop words as their tensors."""
     unknown = sorted(set(scalars) - set(SCALAR_INPUTS))
     if unknown:
-        raise RequestError(unknown[0], f"not a scalar sampling tensor (known: {', '.join(SCALAR_INPUTS)})")
+        raise ValueError(f"{unknown[0]}: not a scalar sampling tensor (known: {', '.join(SCALAR_INPUTS)})")
     arrays = {name: SCALAR_INPUTS[name].array(value) for name, value in scalars.items()}
     if stop_words is not None:
         arrays[STOP_WORDS.name] = STOP_WORDS.array(list(stop_words))

@@ -48,11 +48,6 @@ def prompt_input(prompt: str | list[int]) -> str:
     return TEXT_INPUT.name if isinstance(prompt, str) else INPUT_IDS.name
 
 
-def on_prompt_input(error: RequestError, input_name: str) -> RequestError:
-    """The engine's errors about the "prompt" as the client knows it: about the input it sent the prompt in."""
-    return error.renamed(input_name) if error.field == "prompt" else error
-
-
 # ---- the client half -------------------------------------------------------------------------------------
 @dataclass
 class TextRequest:
@@ -66,7 +61,7 @@ class TextRequest:
     def arrays(self) -> dict[str, np.ndarray]:
         unknown = sorted(set(self.flags) - set(FLAG_INPUTS))
         if unknown:
-            raise RequestError(unknown[0], f"not a flag of the text model (known: {', '.join(FLAG_INPUTS)})")
+            raise ValueError(f"{unknown[0]}: not a flag of the text model (known: {', '.join(FLAG_INPUTS)})")
         name = prompt_input(self.prompt)
         arrays = {name: TEXT_INPUTS[name].array(self.prompt)}
         if self.sampling_parameters is not None:
@@ -131,24 +126,17 @@ def decode_response(get) -> TextResponse:
                         json.loads(prompt_logprobs[0]) if prompt_logprobs else None)
 
 
-# Triton errors on gRPC streams carry only their text: a RequestError's kind is in its words. Bad input starts with
-# its field; nanoserve's own failures with "internal error"; the rest are tritonserver's or the stub's words for a
-# model that is unloading, gone or failed (serving/stub/responses.py, serving/shared/engine_model.py) or a server
-# shutting down (serving/stub/shutdown.py, serving/serve/drain.py), and for a model it does not know.
-UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
-                       "the server is shutting down")
-NOT_FOUND_MARKERS = ("unknown model", "is not found")
+# A Triton error without a field: its kind by its words (tritonserver's, and the stub's in stub/responses.py and
+# shared/engine_model.py); one with none of them is from tritonserver's check of the request's inputs.
+MARKERS = {ErrorKind.INTERNAL: ("Traceback",),
+           ErrorKind.UNAVAILABLE: ("is being unloaded", "has no available versions", "the model is unavailable",
+                                   "the server is shutting down"),
+           ErrorKind.NOT_FOUND: ("unknown model", "is not found")}
 
 
 def decode_error(message: str) -> RequestError:
-    """A Triton error's text as the RequestError it reports (str() of the result is the message)."""
+    """A Triton error's text (gRPC streams carry no code) as the RequestError it reports; str() gives it back."""
     error = RequestError.parse(message)
-    if error.field is not None:
-        return error
-    if message.startswith("internal error") or "Traceback" in message:
-        return RequestError(None, message, ErrorKind.INTERNAL)
-    if any(marker in message for marker in UNAVAILABLE_MARKERS):
-        return RequestError(None, message, ErrorKind.UNAVAILABLE)
-    if any(marker in message for marker in NOT_FOUND_MARKERS):
-        return RequestError(None, message, ErrorKind.NOT_FOUND)
-    return error  # tritonserver's own check of the request's inputs
+    kind = next((kind for kind, words in MARKERS.items() if any(w in message for w in words)), error.kind)
+    kind = ErrorKind.INTERNAL if message.startswith("internal error") else kind
+    return error if error.field else RequestError(None, message, kind)
