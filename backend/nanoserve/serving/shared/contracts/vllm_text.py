@@ -126,8 +126,7 @@ def decode_response(get) -> TextResponse:
                         json.loads(prompt_logprobs[0]) if prompt_logprobs else None)
 
 
-# A Triton error without a field: its kind by its words (tritonserver's, and the stub's in stub/responses.py and
-# shared/engine_model.py); one with none of them is from tritonserver's check of the request's inputs.
+# A Triton error without a field: its kind by its words (tritonserver's, the stub's: stub/responses.py, ...)
 MARKERS = {ErrorKind.INTERNAL: ("Traceback",),
            ErrorKind.UNAVAILABLE: ("is being unloaded", "has no available versions", "the model is unavailable",
                                    "the server is shutting down"),
