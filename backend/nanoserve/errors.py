@@ -38,12 +38,10 @@ class RequestError(ValueError):
         return RequestError(names.get(self.field, self.field), self.message, self.kind)
 
     @classmethod
-    def parse(cls, text: str, kind: ErrorKind = ErrorKind.INVALID) -> "RequestError":
-        """The error whose text this is: "field: message", or the message alone when it starts with no field."""
+    def parse(cls, text: str) -> "RequestError":
+        """The bad input whose text this is: "field: message", or the message alone when it starts with no field."""
         field, separator, message = text.partition(": ")
-        if separator and FIELD.fullmatch(field):
-            return cls(field, message, kind)
-        return cls(None, text, kind)
+        return cls(field, message) if separator and FIELD.fullmatch(field) else cls(None, text)
 
     @classmethod
     def of(cls, error: ValueError) -> "RequestError":
