@@ -132,10 +132,10 @@ def validation_error(error: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
-        return bad_request(f"{param}: unknown or unsupported parameter", param)
+        return bad_request(param, "unknown or unsupported parameter")
     if first.get("type") == "json_invalid":
-        return bad_request(f"invalid JSON body: {first.get('msg')}")
-    return bad_request(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
+        return bad_request(None, f"invalid JSON body: {first.get('msg')}")
+    return bad_request(param, str(first.get("msg")))
 
 
 async def respond(request: Request, fmt: Format, target: Target):

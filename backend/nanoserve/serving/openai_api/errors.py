@@ -23,8 +23,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
+def bad_request(field: str | None, message: str, param: str | None = None) -> APIError:
+    """A 400 about the request's field ("field: message"), naming it as its param unless `param` says otherwise."""
+    return APIError(400, str(RequestError(field, message)), param or field)
 
 
 def api_error(error: ValueError, names: dict[str, str] | None = None) -> APIError:
