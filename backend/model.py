@@ -30,6 +30,7 @@ import queue
 import triton_python_backend_utils as pb_utils
 
 from nanoserve.coercion import optional_bool
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.shared.contracts import token_model, vllm_text
 from nanoserve.serving.stub.request import parse_request
@@ -42,9 +43,9 @@ from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
-MODES = {  # mode -> (inputs, outputs, prompt input)
-    "text": (vllm_text.TEXT_INPUTS, vllm_text.TEXT_OUTPUTS, vllm_text.TEXT_INPUT.name),
-    "tokens": (token_model.TOKEN_INPUTS, token_model.TOKEN_OUTPUTS, vllm_text.INPUT_IDS.name),
+MODES = {  # mode -> (inputs, outputs)
+    "text": (vllm_text.TEXT_INPUTS, vllm_text.TEXT_OUTPUTS),
+    "tokens": (token_model.TOKEN_INPUTS, token_model.TOKEN_OUTPUTS),
 }
 
 
@@ -87,7 +88,7 @@ class TritonPythonModel:
     @staticmethod
     def auto_complete_config(auto_complete_model_config):
         config = auto_complete_model_config
-        inputs, outputs, _ = MODES[_mode(config.as_dict())]
+        inputs, outputs = MODES[_mode(config.as_dict())]
         for tensor in inputs.values():
             config.add_input(tensor.config())
         for tensor in outputs.values():
@@ -109,7 +110,6 @@ class TritonPythonModel:
         send_budget = _send_budget(model_config)  # checked before the engine loads
         every_step = optional_bool("send_every_step", _parameter(model_config, "send_every_step"))
         core_process = optional_bool("engine_core_process", _parameter(model_config, "engine_core_process"))
-        _, _, prompt_field = MODES[self.mode]
         make_formatter, ended_arrays = _formatting(self.mode)
         self.name = args["model_name"]
         config, adapters, vllm_metrics = _engine_config(args, model_config)
@@ -132,7 +132,7 @@ class TritonPythonModel:
         self.may_unload = server_args is not None and server_args.explicit_model_control
         self.shutdown_watch = None if server_args is None else ShutdownWatch(server_args).start()
         self.responses = ResponseThread(pb_utils, self.events, self.engine_core, self.metrics, formatter,
-                                        prompt_field, send_budget=send_budget, every_step=every_step,
+                                        send_budget=send_budget, every_step=every_step,
                                         on_engine_failure=self._unload_failed_model,
                                         shutdown_watch=self.shutdown_watch, ended_arrays=ended_arrays).start()
         self._request_ids = itertools.count()
@@ -147,7 +147,7 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         failure = self.engine_core.failure
         if failure is not None:
-            self.events.put(Reject(sender, UNAVAILABLE + failure, code="UNAVAILABLE"))
+            self.events.put(Reject(sender, RequestError(None, UNAVAILABLE + failure, ErrorKind.UNAVAILABLE)))
             return
         try:
             control = control_event(request.parameters(), sender, self.responses.clock())
@@ -156,19 +156,19 @@ class TritonPythonModel:
                 self.events.put(control)
                 return
             if self.draining:
-                self.events.put(Reject(sender, "the server is shutting down: the model takes no new request",
-                                       code="UNAVAILABLE"))
+                self.events.put(Reject(sender, RequestError(None, "the server is shutting down: the model takes no "
+                                                               "new request", ErrorKind.UNAVAILABLE)))
                 return
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                    tokens=self.mode == "tokens", max_model_len=self.max_model_len)
         except ValueError as e:
-            self.events.put(Reject(sender, str(e)))
+            self.events.put(Reject(sender, RequestError.of(e)))
             return
         except Exception as e:  # a parser bug must fail this request only, never the rest of the batch
             logger.exception("nanoserve: parsing a request failed")
-            self.events.put(Reject(sender, f"internal error: parsing the request failed ({type(e).__name__})",
-                                   code="INTERNAL"))
+            self.events.put(Reject(sender, RequestError(None, f"internal error: parsing the request failed "
+                                                              f"({type(e).__name__})", ErrorKind.INTERNAL)))
             return
         request_id = f"{self.name}-{next(self._request_ids)}"
         stream = Stream(sender, parsed, triton_request_id=request.request_id())

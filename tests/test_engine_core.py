@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import PromptLogprobs, RequestOutput
+from nanoserve.errors import FIELD, ErrorKind, RequestError
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient
+from nanoserve.serving.stub.engine_core import Abort, Add, Command, EngineCoreClient, step_codec
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult
 
 import msgspec
@@ -116,12 +117,12 @@ def test_a_prompt_that_cannot_fit_is_rejected_in_the_stub(config, tokenizer):
     try:
         client.add("huge", "é" * 2_500_000, SamplingParams())
         result = results.get(timeout=TIMEOUT)
-        assert result.rejected == [("huge", f"prompt: 5000000 bytes of text cannot fit max_model_len (at most "
-                                             f"{client.max_prompt_bytes} bytes for this tokenizer); rejected "
-                                             "without tokenizing")]
+        assert result.rejected == [("huge", RequestError("prompt", f"5000000 bytes of text cannot fit max_model_len "
+                                                                   f"(at most {client.max_prompt_bytes} bytes for "
+                                                                   "this tokenizer); rejected without tokenizing"))]
         client.add("bad", [1, 2], SamplingParams(max_tokens=1000))  # checked by the engine, in the core
         result = results.get(timeout=TIMEOUT)
-        assert result.rejected[0][0] == "bad" and result.rejected[0][1].startswith("max_tokens")
+        assert result.rejected[0][0] == "bad" and result.rejected[0][1].field == "max_tokens"  # typed in the core
     finally:
         client.stop()
 
@@ -187,7 +188,10 @@ request_outputs = st.builds(
         PromptLogprobs, token_ids=token_ids, logprobs=st.lists(st.one_of(st.none(), st.dictionaries(
             st.integers(0, 100), st.floats(-100, 0), max_size=2)), max_size=3), ranks=token_ids)))
 pairs = st.lists(st.tuples(st.text(max_size=8), st.text(max_size=20)), max_size=2)
-step_results = st.builds(StepResult, outputs=st.lists(request_outputs, max_size=4), rejected=pairs, failed=pairs,
+request_errors = st.builds(RequestError, st.one_of(st.none(), st.from_regex(FIELD, fullmatch=True)),
+                           st.text(max_size=20), st.sampled_from(ErrorKind))
+rejections = st.lists(st.tuples(st.text(max_size=8), request_errors), max_size=2)
+step_results = st.builds(StepResult, outputs=st.lists(request_outputs, max_size=4), rejected=rejections, failed=pairs,
                          stats=st.dictionaries(st.text(max_size=8), st.integers(0, 10 ** 9), max_size=3),
                          time=st.floats(0, 1e9), failure=st.one_of(st.none(), st.text(max_size=20)))
 
@@ -195,7 +199,8 @@ step_results = st.builds(StepResult, outputs=st.lists(request_outputs, max_size=
 @settings(max_examples=200, deadline=None)
 @given(step_results)
 def test_a_step_result_arrives_as_it_was_sent(step):
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(step), type=StepResult) == step
+    encoder, decoder = step_codec()
+    assert decoder.decode(encoder.encode(step)) == step
 
 
 def test_commands_arrive_as_they_were_sent():

@@ -7,6 +7,7 @@ import pytest
 
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes, max_token_bytes
+from nanoserve.errors import RequestError
 from nanoserve.layers.sampler import Sampler
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.stub.engine_thread import EngineThread
@@ -131,8 +132,9 @@ def test_a_prompt_that_cannot_fit_is_rejected_without_tokenizing(engine):
     try:
         thread.add("huge", "é" * 2_500_000, GOOD[0])
         result = results.get(timeout=TIMEOUT)
-        assert result.rejected == [("huge", f"prompt: 5000000 bytes of text cannot fit max_model_len (at most "
-                                             f"{limit} bytes for this tokenizer); rejected without tokenizing")]
+        assert result.rejected == [("huge", RequestError("prompt", f"5000000 bytes of text cannot fit max_model_len "
+                                                                   f"(at most {limit} bytes for this tokenizer); "
+                                                                   "rejected without tokenizing"))]
     finally:
         thread.stop()
     with pytest.raises(ValueError, match=r"^prompt: 5000000 bytes"):

@@ -180,6 +180,7 @@ def test_metrics_on_the_api_port_are_tritonservers_with_the_vllm_gauges(served):
     ("/completions", {"prompt": "\ud800"}, "prompt"),  # JSON's "\ud800" escape: a string UTF-8 cannot encode
     ("/completions", {"prompt": [1, 2, 10 ** 9]}, "prompt"),  # outside the vocabulary
     ("/completions", {"prompt": [[1, 2], []]}, "prompt"),
+    ("/completions", {"prompt": "x " * 100_000}, "prompt"),  # the engine's INVALID_ARG on text_input, named "prompt"
     ("/completions", {"prompt": "x", "best_of": 2}, "best_of"),  # OpenAI's, not implemented
     ("/chat/completions", {"messages": [{"role": "user", "content": "a\udfff"}]}, "messages.0.content"),
 ])
@@ -188,7 +189,8 @@ def test_a_bad_prompt_or_parameter_is_400(served, path, body, param):
                                      {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as error:
         urllib.request.urlopen(request, timeout=60)
-    assert error.value.code == 400 and json.load(error.value)["error"]["param"] == param
+    body = json.load(error.value)["error"]
+    assert error.value.code == 400 and body["param"] == param and body["message"].startswith(param), body
 
 
 def test_unknown_model_is_404(client):

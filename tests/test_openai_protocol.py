@@ -12,7 +12,7 @@ from tokenizers import processors
 
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.openai_api.chat import render_chat
-from nanoserve.serving.openai_api.errors import APIError
+from nanoserve.serving.openai_api.errors import APIError, api_error
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat
 from nanoserve.serving.openai_api.logprobs import chat_logprobs, completion_logprobs, top_prompt_logprobs
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -193,19 +193,24 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first_for_each_prompt_and_sam
     assert choices[0]["logprobs"]["tokens"] == ["S", "ay"]  # nothing generated
 
 
-@pytest.mark.parametrize("message, status, param", [
-    ("top_p: must be in (0, 1], got 1.5", 400, "top_p"),
-    ("text_input: empty prompt", 400, "prompt"),
-    ("internal error: the engine step failed (see the server log)", 500, None),
-    ("the model is being unloaded", 503, None),
-    ("the model is unavailable: the engine thread died (RuntimeError: x)", 503, None),
-    ("the server is shutting down: its exit timeout ends this request", 503, None),
-    ("the server is shutting down: the model takes no new request", 503, None),
-    ("Request for unknown model: 'x' is not found", 404, "model"),
+@pytest.mark.parametrize("message, status, param, http_message", [
+    ("top_p: must be in (0, 1], got 1.5", 400, "top_p", None),
+    ("text_input: empty prompt", 400, "prompt", "prompt: empty prompt"),  # the API's name for the input
+    ("input_ids: 9 tokens leave no room", 400, "prompt", "prompt: 9 tokens leave no room"),
+    ("logprobs: at most max_logprobs (5), got 9", 400, "top_logprobs", "top_logprobs: at most max_logprobs (5), got 9"),
+    ("internal error: the engine step failed (see the server log)", 500, None, None),
+    ("the model is being unloaded", 503, None, None),
+    ("the model is unavailable: the engine thread died (RuntimeError: x)", 503, None, None),
+    ("the server is shutting down: its exit timeout ends this request", 503, None, None),
+    ("the server is shutting down: the model takes no new request", 503, None, None),
+    ("Request for unknown model: 'x' is not found", 404, "model", None),
+    ("[request id: 7] unexpected shape for input 'text_input'", 400, None, None),  # tritonserver's own check
 ])
-def test_triton_errors_become_http_errors(message, status, param):
-    error = triton_error(message)
-    assert (error.status, error.param) == (status, param) and error.message == message
+def test_triton_errors_become_http_errors(message, status, param, http_message):
+    """A Triton error's text is decoded once (vllm_text.decode_error); the HTTP error takes its status from the
+    kind and its param from the field, by the API's names (here a chat request's logprobs -> top_logprobs)."""
+    error = api_error(triton_error(message, {"logprobs": "top_logprobs"}))
+    assert (error.status, error.param, error.message) == (status, param, http_message or message)
 
 
 def test_response_format_maps_to_structured_outputs():

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.shared.contracts.token_model import TOKEN_INPUTS, is_final
 from nanoserve.serving.shared.contracts.trtllm_scalars import SCALAR_INPUTS
@@ -20,7 +21,7 @@ from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, token_arrays
 from nanoserve.serving.stub.pacing import merge_into
 from nanoserve.serving.stub.request import MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, parse_request
-from nanoserve.serving.stub.responses import (STOP, Generated, Register, ResponseThread, Stream, text_arrays,
+from nanoserve.serving.stub.responses import (STOP, Generated, Register, Reject, ResponseThread, Stream, text_arrays,
                                               vllm_logprobs)
 
 
@@ -43,7 +44,7 @@ def parse(parameters="", tokens=False, **tensors):
 
 
 def error_of(parameters="", tokens=False, **tensors) -> str:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(RequestError) as info:
         parse(parameters, tokens, **tensors)
     return str(info.value)
 
@@ -169,7 +170,10 @@ def test_scalar_tensors_take_the_whole_seed_range():
 def test_bad_input_names_the_field(tensors, parameters, field):
     if field != "text_input":
         tensors = {"text_input": text("Hello"), **tensors}
-    assert error_of(parameters, **tensors).startswith(f"{field}:")
+    with pytest.raises(RequestError) as info:
+        parse(parameters, **tensors)
+    error = info.value
+    assert (error.field, error.kind) == (field, ErrorKind.INVALID) and str(error) == f"{field}: {error.message}"
 
 
 def test_the_text_model_takes_token_ids_in_input_ids():
@@ -321,7 +325,7 @@ def response_thread(clock, send_budget, metrics=None, every_step=False):
                                          record_token_gap=lambda s: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
-                          lambda stream, outputs: text_arrays(stream, outputs, str, every_step), "text_input",
+                          lambda stream, outputs: text_arrays(stream, outputs, str, every_step),
                           send_budget=send_budget, every_step=every_step, clock=clock)
 
 
@@ -482,6 +486,27 @@ def test_a_failed_engine_ends_every_request_with_unavailable_and_is_reported_onc
         [(response, flags)] = sender.sent
         assert flags == FakePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL and response["error"].code == "UNAVAILABLE"
         assert "the engine thread died" in response["error"].message
+
+
+@pytest.mark.parametrize("prompt, error, code, message", [
+    # the engine's errors about the prompt name the input the client sent it in
+    ({"text_input": text("Hi")}, RequestError("prompt", "too long"), "INVALID_ARG", "text_input: too long"),
+    ({"input_ids": np.array([1, 2], np.int32)}, RequestError("prompt", "too long"), "INVALID_ARG",
+     "input_ids: too long"),
+    ({"text_input": text("Hi")}, RequestError("max_tokens", "too many"), "INVALID_ARG", "max_tokens: too many"),
+    ({"text_input": text("Hi")}, RequestError(None, "gone", ErrorKind.UNAVAILABLE), "UNAVAILABLE", "gone"),
+])
+def test_the_stub_reports_an_error_by_its_field_and_kind(prompt, error, code, message):
+    thread, sender = response_thread(FakeClock(), send_budget=1.0), RecordingSender()
+    thread.pb = ErrorPb
+    thread.handle_events([Register("a", Stream(sender, parse(**prompt)))])
+    thread.handle_events([StepResult(rejected=[("a", error)])])
+    [(response, flags)] = sender.sent
+    assert (response["error"].code, response["error"].message, flags) == (code, message, 1)
+    thread.handle_events([Register("b", Stream(sender, parse(**prompt))), StepResult(failed=[("b", "internal x")])])
+    thread.handle_events([Reject(sender, RequestError("stream", "expected a boolean"))])  # before it was parsed
+    assert [(r["error"].code, r["error"].message) for r, _ in sender.sent[1:]] == [
+        ("INTERNAL", "internal x"), ("INVALID_ARG", "stream: expected a boolean")]
 
 
 def test_send_budget_must_be_a_share():

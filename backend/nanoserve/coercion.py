@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 
+from nanoserve.errors import RequestError
+
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
 NONE_WORDS = ("none", "null")  # for an optional field that is not a string: not given
@@ -24,7 +26,7 @@ def to_bool(name: str, value) -> bool:
             return True
         if text in FALSE_WORDS:
             return False
-    raise ValueError(f"{name}: expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
+    raise RequestError(name, f"expected a boolean (true/false, 1/0, yes/no, on/off), got {value!r}")
 
 
 def optional_bool(name: str, value, default: bool = False) -> bool:
@@ -51,7 +53,9 @@ def from_text(name: str, kind: str, value):
         if base.startswith("list") and base != "list[str]" or base == "dict":
             return json.loads(text)
     except ValueError:
-        raise ValueError(f"{name}: expected {_article(base)}, got {value!r}") from None
+        raise RequestError(name, f"expected {_article(base)}, got {value!r}") from None
+    except RecursionError:  # JSON nested past Python's recursion limit ("[[[[...")
+        raise RequestError(name, "nested too deeply") from None
     return value
 
 

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from nanoserve.coercion import from_text
+from nanoserve.errors import FIELD, RequestError
 
 MAX_TEMPERATURE = 100.0
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
@@ -41,20 +42,24 @@ class StructuredOutputsParams:
     def __post_init__(self):
         given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs: give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, got "
-                             f"{', '.join(given) or 'none'}")
-        if self.json is not None:
-            self.json = _json_object("structured_outputs: json", self.json, "a JSON schema object")
+            raise RequestError("structured_outputs", f"give exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                                                     f"got {', '.join(given) or 'none'}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value):
-                raise ValueError(f"structured_outputs: {name} must be a non-empty string, got {value!r}")
+                raise RequestError("structured_outputs", f"{name} must be a non-empty string, got {value!r}")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) for c in self.choice)):
-            raise ValueError(f"structured_outputs: choice must be a non-empty list of strings, got {self.choice!r}")
-        if self.json_object is not None:
-            _check_bool("structured_outputs: json_object", self.json_object)
-        _check_bool("structured_outputs: disable_any_whitespace", self.disable_any_whitespace)
+            raise RequestError("structured_outputs", f"choice must be a non-empty list of strings, got "
+                                                     f"{self.choice!r}")
+        try:  # the helpers name the key: "structured_outputs: json: ..."
+            if self.json is not None:
+                self.json = _json_object("json", self.json, "a JSON schema object")
+            if self.json_object is not None:
+                _check_bool("json_object", self.json_object)
+            _check_bool("disable_any_whitespace", self.disable_any_whitespace)
+        except RequestError as e:
+            raise e.within("structured_outputs") from None
 
     @property
     def kind(self) -> str:
@@ -70,7 +75,7 @@ class StructuredOutputsParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"structured_outputs: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise RequestError("structured_outputs", f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
         return cls(**{name: v for name, v in value.items() if v is not None})
 
 
@@ -125,11 +130,11 @@ class SamplingParams:
         _check_int("max_tokens", self.max_tokens, minimum=0, optional=True)  # 0: score the prompt only
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens: {self.min_tokens} is greater than max_tokens ({self.max_tokens})")
+            raise RequestError("min_tokens", f"{self.min_tokens} is greater than max_tokens ({self.max_tokens})")
         _check_number("temperature", self.temperature, lo=0.0, hi=MAX_TEMPERATURE)
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+            raise RequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_int("top_k", self.top_k, minimum=-1, maximum=MAX_TOP_K)
         _check_number("min_p", self.min_p, lo=0.0, hi=1.0)
         _check_int("seed", self.seed, minimum=0, maximum=MAX_SEED, optional=True)
@@ -147,23 +152,23 @@ class SamplingParams:
         _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, optional=True)
         _check_int("n", self.n, minimum=1, maximum=MAX_N)
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
-            raise ValueError(f"lora_name: expected an adapter's name (a non-empty string), got {self.lora_name!r}")
+            raise RequestError("lora_name", f"expected an adapter's name (a non-empty string), got {self.lora_name!r}")
 
     def check_against_model(self, max_model_len: int, vocab_size: int, max_logprobs: int) -> None:
         """The ranges that depend on the model; the engine calls this when it admits the request (the prompt
         plus max_tokens is checked there too)."""
         if self.min_tokens > max_model_len:
-            raise ValueError(f"min_tokens: must be <= max_model_len ({max_model_len}), got {self.min_tokens}")
+            raise RequestError("min_tokens", f"must be <= max_model_len ({max_model_len}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and value > max_logprobs:
-                raise ValueError(f"{name}: at most max_logprobs ({max_logprobs}), got {value}")
+                raise RequestError(name, f"at most max_logprobs ({max_logprobs}), got {value}")
         outside = [token_id for token_id in self.stop_token_ids if token_id >= vocab_size]
         if outside:
-            raise ValueError(f"stop_token_ids: {outside[0]} is outside the vocabulary [0, {vocab_size})")
+            raise RequestError("stop_token_ids", f"{outside[0]} is outside the vocabulary [0, {vocab_size})")
         outside = [token_id for token_id in self.logit_bias or () if token_id >= vocab_size]
         if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
+            raise RequestError("logit_bias", f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})")
 
     def max_tokens_for(self, num_prompt_tokens: int, max_model_len: int) -> int:
         """The most tokens a request with this prompt length may generate: max_tokens, or by default whatever
@@ -175,12 +180,14 @@ class SamplingParams:
         """Build from JSON-like values; strings such as "32", "0.5", "true" or '["a"]' are accepted
         (genai-perf and Triton request parameters send every value as a string)."""
         if not isinstance(params, dict):
-            raise ValueError(f"sampling_parameters: expected a JSON object, got {type(params).__name__}")
+            raise RequestError("sampling_parameters", f"expected a JSON object, got {type(params).__name__}")
         kinds = {f.name: f.type for f in fields(cls)}
         unknown = sorted(set(params) - set(kinds))
         if unknown:
-            name = unknown[0] if unknown[0].strip() else f"sampling_parameters: {unknown[0]!r}"  # a blank key
-            raise ValueError(f"{name}: unknown sampling parameter (known: {', '.join(sorted(kinds))})")
+            known = f"unknown sampling parameter (known: {', '.join(sorted(kinds))})"
+            if FIELD.fullmatch(unknown[0]):
+                raise RequestError(unknown[0], known)
+            raise RequestError("sampling_parameters", f"{unknown[0]!r}: {known}")  # a key that is no field's name
         return cls(**{name: from_text(name, kinds[name], value) for name, value in params.items()})
 
 
@@ -190,9 +197,11 @@ def _json_object(name: str, value, what: str = "a JSON object") -> dict:
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise ValueError(f"{name}: invalid JSON ({e})") from None
+            raise RequestError(name, f"invalid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError(name, "invalid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
+        raise RequestError(name, f"expected {what}, got {type(value).__name__}")
     return value
 
 
@@ -202,13 +211,13 @@ def _logit_bias(value) -> dict[int, float] | None:
         return None
     value = _json_object("logit_bias", value)
     if len(value) > MAX_LOGIT_BIAS:
-        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
+        raise RequestError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(value)}")
     bias = {}
     for key, number in value.items():
         try:
             token_id = int(key)
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias: keys are token ids, got {key!r}") from None
+            raise RequestError("logit_bias", f"keys are token ids, got {key!r}") from None
         _check_int("logit_bias", token_id, minimum=0)
         _check_number("logit_bias", number, lo=-100.0, hi=100.0)
         bias[token_id] = float(number)
@@ -219,7 +228,7 @@ def _as_list(name, value) -> list:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name}: expected a list, got {value!r}")
+        raise RequestError(name, f"expected a list, got {value!r}")
     return list(value)
 
 
@@ -227,35 +236,35 @@ def _check_int(name, value, minimum, maximum=None, optional=False):
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected an integer, got {value!r}")
+        raise RequestError(name, f"expected an integer, got {value!r}")
     if value < minimum or maximum is not None and value > maximum:
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{name}: must be {bounds}, got {value}")
+        raise RequestError(name, f"must be {bounds}, got {value}")
 
 
 def _check_size(name, values: list, limit: int) -> None:
     if len(values) > limit:
-        raise ValueError(f"{name}: at most {limit} entries, got {len(values)}")
+        raise RequestError(name, f"at most {limit} entries, got {len(values)}")
 
 
 def _check_stop(stop: list) -> None:
     _check_size("stop", stop, MAX_STOP_STRINGS)
     if not all(isinstance(s, str) and s for s in stop):
-        raise ValueError("stop: must be a string or a list of non-empty strings")
+        raise RequestError("stop", "must be a string or a list of non-empty strings")
     longest = max(stop, key=len, default="")
     if len(longest) > MAX_STOP_STRING_CHARS:
-        raise ValueError(f"stop: a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(longest)}")
+        raise RequestError("stop", f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got {len(longest)}")
 
 
 def _check_number(name, value, lo=None, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name}: expected a number, got {value!r}")
+        raise RequestError(name, f"expected a number, got {value!r}")
     if not _is_finite(value):
-        raise ValueError(f"{name}: must be finite, got {value!r}")
+        raise RequestError(name, f"must be finite, got {value!r}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name}: must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value}")
+        raise RequestError(name, f"must be >= {lo}" + (f" and <= {hi}" if hi is not None else "") + f", got {value}")
     if hi is not None and value > hi:
-        raise ValueError(f"{name}: must be <= {hi}" + (f" and >= {lo}" if lo is not None else "") + f", got {value}")
+        raise RequestError(name, f"must be <= {hi}" + (f" and >= {lo}" if lo is not None else "") + f", got {value}")
 
 
 def _is_finite(value) -> bool:
@@ -267,4 +276,4 @@ def _is_finite(value) -> bool:
 
 def _check_bool(name, value):
     if not isinstance(value, bool):
-        raise ValueError(f"{name}: expected a boolean, got {value!r}")
+        raise RequestError(name, f"expected a boolean, got {value!r}")

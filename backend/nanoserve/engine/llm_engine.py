@@ -22,6 +22,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.structured_output import Grammar, StructuredOutputManager, TokenBitmask
 from nanoserve.engine.tokenize import encode_prompt_text, max_prompt_bytes
+from nanoserve.errors import RequestError
 from nanoserve.models.lora import check_peft_adapter
 from nanoserve.sampling_params import SamplingParams
 
@@ -68,7 +69,7 @@ class LLMEngine:
             [f"{index}_{request_id}" for index in range(sampling_params.n)]  # vLLM's names for the samples
         in_use = self.output_processor
         if request_id in in_use.samples or not in_use.requests.keys().isdisjoint(sequence_ids):
-            raise ValueError(f"request_id: {request_id!r} is already running")
+            raise RequestError("request_id", f"{request_id!r} is already running")
         sampling_params.check_against_model(self.config.max_model_len, self.vocab_size, self.config.max_logprobs)
         lora = self._lora(sampling_params.lora_name)
         prompt_ids = self.tokenize(prompt)
@@ -93,11 +94,11 @@ class LLMEngine:
         """Serve the PEFT LoRA adapter in directory path to requests whose lora_name is name. Raises ValueError (an
         adapter this engine cannot run, a name already taken, enable_lora off)."""
         if not self.config.enable_lora:
-            raise ValueError("enable_lora: LoRA adapters need the engine argument enable_lora=True")
+            raise RequestError("enable_lora", "LoRA adapters need the engine argument enable_lora=True")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"lora_name: expected a non-empty string, got {name!r}")
+            raise RequestError("lora_name", f"expected a non-empty string, got {name!r}")
         if name in self.loras:
-            raise ValueError(f"lora_name: an adapter named {name!r} is already being served")
+            raise RequestError("lora_name", f"an adapter named {name!r} is already being served")
         try:
             check_peft_adapter(path, self.config.model, self.config.max_lora_rank)
         except ValueError as e:
@@ -110,20 +111,20 @@ class LLMEngine:
         if name not in self.loras:
             known = ", ".join(sorted(self.loras)) or "none"
             enabled = "" if self.config.enable_lora else "; the engine runs without enable_lora"
-            raise ValueError(f"lora_name: unknown LoRA adapter {name!r} (known: {known}{enabled})")
+            raise RequestError("lora_name", f"unknown LoRA adapter {name!r} (known: {known}{enabled})")
         return self.loras[name]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return encode_prompt_text(self.tokenizer, prompt, self.max_prompt_bytes)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError("prompt: expected a string or a list of token ids")
+            raise RequestError("prompt", "expected a string or a list of token ids")
         self.scheduler.check_admissible(len(prompt), 1)  # a huge prompt is rejected before the per-id checks
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt: expected a string or a list of token ids")
+            raise RequestError("prompt", "expected a string or a list of token ids")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise RequestError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return list(prompt)
 
     def abort_request(self, request_id: str) -> bool:

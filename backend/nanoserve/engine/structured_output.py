@@ -10,6 +10,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from nanoserve.errors import RequestError
 from nanoserve.sampling_params import StructuredOutputsParams
 
 CACHE_LIMIT_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's cache; least recently used go first)
@@ -102,7 +103,7 @@ class StructuredOutputManager:
         except (RuntimeError, ValueError) as e:  # xgrammar's parse errors are RuntimeErrors
             message = _LOG_PREFIX.sub("", str(e).strip())[:MAX_ERROR_CHARS]
             kind = "json schema" if spec.kind == "json" else spec.kind
-            raise ValueError(f"structured_outputs: invalid {kind}: {message}") from None
+            raise RequestError("structured_outputs", f"invalid {kind}: {message}") from None
 
     def bitmask(self, grammars: list[Grammar | None], num_drafts: np.ndarray | None = None,
                 draft_token_ids: np.ndarray | None = None) -> TokenBitmask | None:

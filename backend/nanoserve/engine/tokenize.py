@@ -8,6 +8,8 @@ at least B / max_token_bytes tokens.
 
 import functools
 
+from nanoserve.errors import RequestError
+
 # NFC/NFKC normalization can compose up to three characters into one (Hangul jamo) before the text is split.
 NORMALIZER_SLACK = 3
 
@@ -33,7 +35,7 @@ def check_prompt_bytes(text: str, max_bytes: int | None) -> None:
         return
     size = len(text.encode("utf-8"))
     if size > max_bytes:
-        raise ValueError(f"prompt: {size} bytes of text cannot fit max_model_len (at most {max_bytes} bytes for "
+        raise RequestError("prompt", f"{size} bytes of text cannot fit max_model_len (at most {max_bytes} bytes for "
                          f"this tokenizer); rejected without tokenizing")
 
 

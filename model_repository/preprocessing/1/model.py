@@ -1,9 +1,10 @@
 """Ensemble step 1: text_input (+ apply_chat_template) -> input_ids, with the engine model's tokenizer."""
 import triton_python_backend_utils as pb_utils
 
+from nanoserve.errors import RequestError
 from nanoserve.serving.shared.contracts.token_model import APPLY_CHAT_TEMPLATE, PREPROCESSING_OUTPUTS, TEXT_INPUT
 from nanoserve.serving.stub.ensemble import encode_prompt, engine_max_prompt_bytes, engine_tokenizer
-from nanoserve.serving.stub.request import name_prompt_input, parse_text_prompt
+from nanoserve.serving.stub.request import parse_text_prompt
 
 
 class TritonPythonModel:
@@ -21,7 +22,7 @@ class TritonPythonModel:
             ids = encode_prompt(self.tokenizer, text, chat=chat is not None and bool(chat.reshape(-1)[0]),
                                 max_bytes=self.max_prompt_bytes)
         except ValueError as e:
-            message = name_prompt_input(str(e), TEXT_INPUT.name)
+            message = str(RequestError.of(e).renamed({"prompt": TEXT_INPUT.name}))
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
         (output,) = PREPROCESSING_OUTPUTS.values()
         return pb_utils.InferenceResponse([pb_utils.Tensor(output.name, output.array(ids))])

@@ -20,7 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nanoserve.serving.openai_api.chat import render_chat
-from nanoserve.serving.openai_api.errors import APIError, bad_request, from_field_error
+from nanoserve.errors import RequestError
+from nanoserve.serving.openai_api.errors import APIError, api_error, bad_request
 from nanoserve.serving.openai_api.formats import ChatFormat, CompletionFormat, Format
 from nanoserve.serving.openai_api.models import ModelRegistry, Target
 from nanoserve.serving.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,6 +49,7 @@ def create_app(grpc_url: str, repository: Path, metrics_url: str | None = None,
 
     app = FastAPI(title="nanoserve OpenAI-compatible API", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(RequestError, lambda request, error: api_error(error).response())
     app.add_exception_handler(RequestValidationError, lambda request, error: validation_error(error).response())
 
     @app.get("/v1/models")
@@ -130,10 +132,10 @@ def validation_error(error: RequestValidationError) -> APIError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
-        return bad_request(f"{param}: unknown or unsupported parameter", param)
+        return bad_request(param, "unknown or unsupported parameter")
     if first.get("type") == "json_invalid":
-        return bad_request(f"invalid JSON body: {first.get('msg')}")
-    return bad_request(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
+        return bad_request(None, f"invalid JSON body: {first.get('msg')}")
+    return bad_request(param, str(first.get("msg")))
 
 
 async def respond(request: Request, fmt: Format, target: Target):
@@ -142,9 +144,10 @@ async def respond(request: Request, fmt: Format, target: Target):
     if target.lora_name is not None:
         parameters["lora_name"] = target.lora_name
     prompt_logprobs = getattr(body, "wants_prompt_logprobs", False)
+    names = body.sampling_values()[1]  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
     streams = [generate(request.app.state.client, target.model,
                         request_inputs(prompt, parameters, body.stream, body.top_logprobs_count is not None,
-                                       prompt_logprobs), request_id=uuid.uuid4().hex, prompt_index=index)
+                                       prompt_logprobs), uuid.uuid4().hex, index, names)
                for index, prompt in enumerate(fmt.prompts)]
     chunks = streams[0] if len(streams) == 1 else merged(streams)
     try:
@@ -153,9 +156,6 @@ async def respond(request: Request, fmt: Format, target: Target):
         first = await unless_disconnected(request, anext(chunks))  # an error before any text is an HTTP error
     except ClientGone:
         return JSONResponse({}, status_code=499)  # nobody reads it
-    except APIError as error:  # the engine's checks (e.g. logprobs against max_logprobs) name its parameters
-        names = body.sampling_values()[1]
-        raise from_field_error(error.message, names) if error.status == 400 and error.param in names else error
     return StreamingResponse(sse(fmt, first, chunks), media_type="text/event-stream")
 
 
@@ -224,8 +224,8 @@ async def sse(fmt: Format, first: Chunk, chunks: AsyncIterator[Chunk]) -> AsyncI
                 yield _event(event)
         for event in fmt.end():
             yield _event(event)
-    except APIError as error:
-        yield _event(error.body())
+    except RequestError as error:
+        yield _event(api_error(error).body())
     yield "data: [DONE]\n\n"
 
 

@@ -12,12 +12,12 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = 
                 add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """tools: OpenAI's tool definitions, for a template that describes them to the model."""
     if tokenizer.chat_template is None:
-        raise bad_request("messages: the model's tokenizer has no chat template (use /v1/completions)", "messages")
+        raise bad_request("messages", "the model's tokenizer has no chat template (use /v1/completions)")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              tools=tools, **(template_kwargs or {}))
     except Exception as e:  # the template's own raise_exception(...) (e.g. roles must alternate), bad kwargs
-        raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        raise bad_request("messages", f"the chat template failed: {e}") from None
     bos = tokenizer.bos_token
     if bos and text.startswith(bos) and adds_bos(tokenizer):
         text = text[len(bos):]

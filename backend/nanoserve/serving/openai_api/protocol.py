@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.openai_api.errors import bad_request, from_field_error
+from nanoserve.serving.openai_api.errors import api_error, bad_request
 from nanoserve.serving.openai_api.tools import function_schema, required_schema
 
 
@@ -32,7 +32,7 @@ class RequestBody(BaseModel):
         extras = sorted(self.model_extra or {})
         for name in extras:
             if name in self.UNSUPPORTED:
-                raise bad_request(f"{name}: not supported by nanoserve", name)
+                raise bad_request(name, "not supported by nanoserve")
         if extras:
             logger.warning("nanoserve: the request's fields %s are not OpenAI API parameters: ignored",
                            ", ".join(extras))
@@ -42,7 +42,7 @@ class RequestBody(BaseModel):
         """JSON's "\\ud800" escapes make strings UTF-8 cannot carry: a 400 naming the first such field."""
         where = lone_surrogate(self.model_dump(by_alias=True, exclude_none=True))
         if where is not None:
-            raise bad_request(f"{where}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text", where)
+            raise bad_request(where, "a lone surrogate (an unpaired \\ud800-\\udfff escape) is not text")
 
 
 class StreamOptions(Strict):
@@ -133,8 +133,7 @@ class ResponseFormat(Strict):
         """The equivalent structured_outputs sampling parameter (None: no constraint)."""
         if self.type == "json_schema":
             if self.json_schema is None:
-                raise bad_request("response_format: json_schema is required with type json_schema",
-                                  "response_format")
+                raise bad_request("response_format", "json_schema is required with type json_schema")
             return {"json": self.json_schema.schema_}
         return {"json_object": True} if self.type == "json_object" else None
 
@@ -183,20 +182,19 @@ class SamplingRequest(RequestBody):
         if structured is None:
             return values, {}
         if self.structured_outputs is not None:
-            raise bad_request("response_format: give either response_format or structured_outputs, not both",
-                              "response_format")
+            raise bad_request("response_format", "give either response_format or structured_outputs, not both")
         return {**values, "structured_outputs": structured}, {"structured_outputs": "response_format"}
 
     def sampling_parameters(self) -> dict:
         """The sampling_parameters JSON object sent to Triton, validated as the engine will (400 naming the
         request's parameter otherwise)."""
         if self.stream_options is not None and not self.stream:
-            raise bad_request("stream_options: only with stream: true", "stream_options")
+            raise bad_request("stream_options", "only with stream: true")
         values, names = self.sampling_values()
         try:
             SamplingParams.from_dict(values)
         except ValueError as e:
-            raise from_field_error(str(e), names) from None
+            raise api_error(e, names) from None
         return values
 
     @property
@@ -243,14 +241,14 @@ class ChatCompletionRequest(SamplingRequest):
         schema = self.tool_schema()
         if schema is not None:
             if "structured_outputs" in values:
-                raise bad_request(f"tool_choice: {self.tool_choice_value!r} constrains the output itself: not with "
-                                  f"{names.get('structured_outputs', 'structured_outputs')}", "tool_choice")
+                raise bad_request("tool_choice", f"{self.tool_choice_value!r} constrains the output itself: not "
+                                                 f"with {names.get('structured_outputs', 'structured_outputs')}")
             values["structured_outputs"], names["structured_outputs"] = {"json": schema}, "tools"
         if self.max_completion_tokens is not None:
             values["max_tokens"] = self.max_completion_tokens
             names["max_tokens"] = "max_completion_tokens"
         if self.top_logprobs is not None and not self.logprobs:
-            raise bad_request("top_logprobs: only with logprobs: true", "top_logprobs")
+            raise bad_request("top_logprobs", "only with logprobs: true")
         if self.logprobs:
             values["logprobs"] = self.top_logprobs or 0
             names["logprobs"] = "top_logprobs"
@@ -303,17 +301,17 @@ class CompletionRequest(SamplingRequest):
         elif prompt and all(isinstance(p, str) or (isinstance(p, list) and all(map(_is_token_id, p))) for p in prompt):
             prompts = prompt
         else:
-            raise bad_request("prompt: expected a string, a list of strings, a list of token ids or a list of lists "
-                              "of token ids", "prompt")
+            raise bad_request("prompt", "expected a string, a list of strings, a list of token ids or a list of "
+                                        "lists of token ids")
         for index, one in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 and one is prompt else f"prompt.{index}"
             if not one:
-                raise bad_request(f"{where}: empty", "prompt")
+                raise bad_request(where, "empty", "prompt")
             outside = [(position, t) for position, t in enumerate(one) if not isinstance(t, str) and t >= vocab_size]
             if outside:
                 position, token_id = outside[0]
-                raise bad_request(f"{where}.{position}: token id {token_id} is outside the vocabulary "
-                                  f"[0, {vocab_size})", "prompt")
+                raise bad_request(f"{where}.{position}", f"token id {token_id} is outside the vocabulary "
+                                                             f"[0, {vocab_size})", "prompt")
         return prompts
 
 

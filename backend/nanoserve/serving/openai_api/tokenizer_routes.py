@@ -57,8 +57,8 @@ def add_tokenizer_routes(app: FastAPI) -> None:
         outside = [(i, t) for i, t in enumerate(body.tokens) if not 0 <= t < len(tokenizer)]
         if outside:
             index, token_id = outside[0]
-            raise bad_request(f"tokens.{index}: token id {token_id} is outside the vocabulary [0, {len(tokenizer)})",
-                              "tokens")
+            raise bad_request(f"tokens.{index}", f"token id {token_id} is outside the vocabulary "
+                                                 f"[0, {len(tokenizer)})", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
 
@@ -67,7 +67,7 @@ async def model_and_tokenizer(request: Request, name: str | None) -> tuple[Targe
     if name is None:
         served = await models.refresh()
         if not served:
-            raise bad_request("model: no text model is ready", "model")
+            raise bad_request("model", "no text model is ready")
         name = served[0]
     target = await models.require(name)
     return target, await models.tokenizer(target.model)
@@ -82,12 +82,11 @@ def max_model_len(request: Request, target: Target) -> int | None:
 def token_ids(body: TokenizeRequest, tokenizer) -> list[int]:
     """What the engine is fed for the prompt, or for the messages as /v1/chat/completions renders them."""
     if (body.prompt is None) == (body.messages is None):
-        raise bad_request("prompt: give prompt or messages, one of them", "prompt")
+        raise bad_request("prompt", "give prompt or messages, one of them")
     if body.prompt is not None:
         return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
     if body.add_special_tokens is not None:
-        raise bad_request("add_special_tokens: only with prompt (the chat template writes the special tokens)",
-                          "add_special_tokens")
+        raise bad_request("add_special_tokens", "only with prompt (the chat template writes the special tokens)")
     messages = [message.template_dict() for message in body.messages]
     text = render_chat(tokenizer, messages, body.chat_template_kwargs, body.add_generation_prompt)
     return tokenizer.encode(text, add_special_tokens=True)

@@ -139,12 +139,12 @@ def check_tool_choice(choice: str | dict, functions: list[dict], parser: Parser 
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         if name not in {f["name"] for f in functions}:
-            raise bad_request(f"tool_choice: no tool is named {name!r}", "tool_choice")
+            raise bad_request("tool_choice", f"no tool is named {name!r}")
         return choice
     if choice in ("auto", "required") and not functions:
-        raise bad_request(f"tool_choice: {choice!r} needs tools", "tool_choice")
+        raise bad_request("tool_choice", f"{choice!r} needs tools")
     if choice == "auto" and parser is None:
-        raise bad_request('tool_choice: "auto" needs a tool-call parser (nanoserve serve --tool-call-parser '
-                          f'{{{",".join(TOOL_CALL_PARSERS)}}}); "required" or a named function work without one',
-                          "tool_choice")
+        raise bad_request("tool_choice", '"auto" needs a tool-call parser (nanoserve serve --tool-call-parser '
+                                         f'{{{",".join(TOOL_CALL_PARSERS)}}}); "required" or a named function work '
+                                         'without one')
     return choice

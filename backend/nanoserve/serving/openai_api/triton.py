@@ -7,8 +7,11 @@ from typing import AsyncIterator
 
 import tritonclient.grpc.aio as grpcaio
 
-from nanoserve.serving.openai_api.errors import APIError
-from nanoserve.serving.shared.contracts.vllm_text import INPUT_IDS, TEXT_INPUT, TextRequest, decode_response
+from nanoserve.errors import RequestError
+from nanoserve.serving.shared.contracts.vllm_text import (INPUT_IDS, TEXT_INPUT, TextRequest, decode_error,
+                                                          decode_response)
+
+PROMPT_PARAMS = {TEXT_INPUT.name: "prompt", INPUT_IDS.name: "prompt"}  # the API's name of the inputs a prompt takes
 
 
 @dataclass
@@ -40,12 +43,13 @@ def parse_response(result) -> Chunk:
                  response.num_input_tokens, response.final, response.prompt_logprobs)
 
 
-async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list,
-                   request_id: str, prompt_index: int = 0) -> AsyncIterator[Chunk]:
+async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: list, request_id: str,
+                   prompt_index: int = 0, names: dict[str, str] | None = None) -> AsyncIterator[Chunk]:
     """The request's responses until its last one: the one where every sequence has its finish reason (the
     flags-only FINAL that may follow is not asked for: tritonclient 2.69 and newer refuse the parameter that asks
     for it). Leaving before the last response (the HTTP client went away: the consumer is cancelled or closes
-    this generator) cancels the gRPC call, and with it the request in the engine."""
+    this generator) cancels the gRPC call, and with it the request in the engine. A Triton error is raised as
+    the RequestError it reports, named as the API names its fields (triton_error)."""
     async def requests():
         yield {"model_name": model, "inputs": inputs, "request_id": request_id}
 
@@ -55,7 +59,7 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
         async for result, error in responses:
             if error is not None:
                 ended = True
-                raise triton_error(error.message())
+                raise triton_error(error.message(), names)
             chunk = parse_response(result)
             chunk.prompt_index, ended = prompt_index, chunk.final
             yield chunk
@@ -66,22 +70,7 @@ async def generate(client: grpcaio.InferenceServerClient, model: str, inputs: li
             responses.cancel()
 
 
-# the model unloading or gone, its engine failed (backend/model.py), the server shutting down (serving/stub/shutdown.py,
-# serving/serve/drain.py)
-UNAVAILABLE_MARKERS = ("is being unloaded", "has no available versions", "the model is unavailable",
-                       "the server is shutting down")
-
-
-def triton_error(message: str) -> APIError:
-    """A Triton error as an HTTP error. gRPC streams carry no status code: nanoserve's bad-input errors
-    (INVALID_ARG) start with the field they are about, its own failures with "internal error"."""
-    if message.startswith("internal error") or "Traceback" in message:
-        return APIError(500, message)
-    if any(marker in message for marker in UNAVAILABLE_MARKERS):
-        return APIError(503, message)
-    if "unknown model" in message or "is not found" in message:
-        return APIError(404, message, "model", "model_not_found")
-    field, _, _ = message.partition(":")
-    prompt_inputs = (TEXT_INPUT.name, INPUT_IDS.name)
-    param = ("prompt" if field in prompt_inputs else field) if field.isidentifier() else None
-    return APIError(400, message, param)
+def triton_error(message: str, names: dict[str, str] | None = None) -> RequestError:
+    """A Triton error's text (decode_error) with its field as the API names it: the prompt's inputs are "prompt", a
+    sampling parameter is what `names` (SamplingRequest.sampling_values) says, e.g. logprobs -> top_logprobs."""
+    return decode_error(message).renamed({**PROMPT_PARAMS, **(names or {})})

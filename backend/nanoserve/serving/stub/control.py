@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nanoserve.errors import RequestError
 from nanoserve.serving.shared.engine_model import CANCEL_PARAMETER, DRAIN_PARAMETER, MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.request import json_object
 
@@ -41,12 +42,12 @@ def control_event(parameters: str, sender, now: float) -> CancelById | Drain | N
     if CANCEL_PARAMETER in values:
         target = values[CANCEL_PARAMETER]
         if not isinstance(target, str) or not target:
-            raise ValueError(f"{CANCEL_PARAMETER}: expected a non-empty request id, got {target!r}")
+            raise RequestError(CANCEL_PARAMETER, f"expected a non-empty request id, got {target!r}")
         return CancelById(sender, target)
     if DRAIN_PARAMETER in values:
         seconds = values[DRAIN_PARAMETER]
         if (isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds)
                 or not 0 <= seconds <= MAX_DRAIN_SECONDS):
-            raise ValueError(f"{DRAIN_PARAMETER}: expected seconds in [0, {MAX_DRAIN_SECONDS:g}], got {seconds!r}")
+            raise RequestError(DRAIN_PARAMETER, f"expected seconds in [0, {MAX_DRAIN_SECONDS:g}], got {seconds!r}")
         return Drain(sender, now + seconds)
     return None

@@ -25,6 +25,7 @@ import msgspec
 
 from nanoserve.engine.executor import use_a_python_executable
 from nanoserve.engine.tokenize import max_prompt_bytes
+from nanoserve.errors import RequestError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.stub.engine_thread import EngineThread, StepResult, tokenized
 from nanoserve.thread_names import set_os_thread_name
@@ -107,12 +108,18 @@ def _read_commands(commands, engine_thread: EngineThread) -> None:
 def _send_results(steps: queue.SimpleQueue, results) -> None:
     """Encode and send each StepResult (None ends); a stub that has gone ends it too."""
     set_os_thread_name("ns-core-out")
-    encoder = msgspec.msgpack.Encoder()
+    encoder, _ = step_codec()
     while (step := steps.get()) is not None:
         try:
             results.send_bytes(encoder.encode(step))
         except OSError:
             return
+
+
+def step_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    """StepResults as the core sends them: a RequestError (their one type msgspec does not know) as its parts."""
+    return (msgspec.msgpack.Encoder(enc_hook=lambda error: [error.field, error.message, error.kind]),
+            msgspec.msgpack.Decoder(StepResult, dec_hook=lambda kind, parts: RequestError(*parts)))
 
 
 # ---- the stub's side ----------------------------------------------------------------------------------------------
@@ -189,7 +196,7 @@ class EngineCoreClient:
 
     def _read_results(self) -> None:
         set_os_thread_name("ns-core-in")
-        decoder = msgspec.msgpack.Decoder(StepResult)
+        _, decoder = step_codec()
         while True:
             try:
                 step = decoder.decode(self._results.recv_bytes())

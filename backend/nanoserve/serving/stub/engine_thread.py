@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.tokenize import encode_prompt_text
+from nanoserve.errors import RequestError
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 class StepResult:
     """What the engine thread reports after each step (the engine core process sends it as a message)."""
     outputs: list[RequestOutput] = field(default_factory=list)  # this step's
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): bad input
+    rejected: list[tuple[str, RequestError]] = field(default_factory=list)  # (request_id, error): bad input
     failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, message): internal errors
     stats: dict = field(default_factory=dict)  # engine.stats() after the step
     time: float = 0.0  # time.monotonic() when the step's tokens were ready
@@ -62,7 +63,7 @@ class EngineThread:
         try:
             grammar = self.engine.compile_grammar(sampling_params)
         except ValueError as e:
-            self._push(("reject", request_id, str(e)))
+            self._push(("reject", request_id, RequestError.of(e)))
             return
         self._push(("add", request_id, prompt, sampling_params, grammar))
 
@@ -145,7 +146,7 @@ class EngineThread:
                 self.engine.add_request(request_id, prompt, sampling_params, grammar=grammar)
                 self._admitted.add(request_id)
             except ValueError as e:
-                result.rejected.append((request_id, str(e)))
+                result.rejected.append((request_id, RequestError.of(e)))
             except Exception as e:
                 logger.error("nanoserve add_request failed:\n%s", traceback.format_exc())
                 result.failed.append((request_id, f"internal error: {e}"))
@@ -159,7 +160,7 @@ def tokenized(tokenizer, request_id: str, prompt, max_prompt_bytes: int, results
     try:
         return encode_prompt_text(tokenizer, prompt, max_prompt_bytes)
     except ValueError as e:
-        results.put(StepResult(rejected=[(request_id, str(e))]))
+        results.put(StepResult(rejected=[(request_id, RequestError.of(e))]))
         return None
 
 

@@ -31,6 +31,7 @@ import numpy as np
 from nanoserve.engine.detokenizer import REPLACEMENT, earliest_stop, withheld_chars
 from nanoserve.engine.tokenize import check_prompt_bytes, encode_prompt_text, max_prompt_bytes
 from nanoserve.engine.tokenize import token_decoder
+from nanoserve.errors import RequestError
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.serving.shared.contracts.token_model import (CONTEXT_IDS, DETOKENIZE_KEYS, DETOKENIZE_PARAMS,
                                                              FINISH_REASON, FINISH_REASONS, OUTPUT_IDS, REQUEST_ID)
@@ -197,7 +198,7 @@ class DetokenizeRequest:
         """get(name) -> numpy array or None; max_ids bounds each id input (the engine's max_model_len)."""
         reason = utf8(FINISH_REASON.name, single(FINISH_REASON.name, required(get, FINISH_REASON.name)))
         if reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason: must be one of {FINISH_REASONS}, got {reason[:100]!r}")
+            raise RequestError("finish_reason", f"must be one of {FINISH_REASONS}, got {reason[:100]!r}")
         params = get(DETOKENIZE_PARAMS.name)
         name = DETOKENIZE_PARAMS.name
         params = {} if params is None else json_object(name, single(name, params))
@@ -210,11 +211,11 @@ class DetokenizeRequest:
 def _token_ids(get, name: str, max_ids: int | None) -> list[int]:
     array = required(get, name)
     if array.dtype.kind not in "iu":
-        raise ValueError(f"{name}: expected integer token ids, got {array.dtype}")
+        raise RequestError(name, f"expected integer token ids, got {array.dtype}")
     if max_ids is not None and array.size > max_ids:
-        raise ValueError(f"{name}: at most {max_ids} ids, got {array.size}")
+        raise RequestError(name, f"at most {max_ids} ids, got {array.size}")
     if array.size and array.min() < 0:
-        raise ValueError(f"{name}: token ids are >= 0, got {array.min()}")
+        raise RequestError(name, f"token ids are >= 0, got {array.min()}")
     return array.reshape(-1).tolist()
 
 
@@ -222,11 +223,11 @@ def _detokenize_params(values: dict) -> dict:
     """The keys detokenize_params() writes, checked as SamplingParams checks them."""
     unknown = sorted(set(values) - set(DETOKENIZE_KEYS))
     if unknown:
-        raise ValueError(f"detokenize_params: unknown key {unknown[0]!r} (known: {', '.join(DETOKENIZE_KEYS)})")
+        raise RequestError("detokenize_params", f"unknown key {unknown[0]!r} (known: {', '.join(DETOKENIZE_KEYS)})")
     try:
         checked = SamplingParams(**values)
     except ValueError as e:
-        raise ValueError(f"detokenize_params: {e}") from None
+        raise RequestError.of(e).within("detokenize_params") from None
     return {key: getattr(checked, key) for key in values}
 
 
@@ -268,7 +269,7 @@ def encode_prompt(tokenizer, text: str, chat: bool = False, max_bytes: int | Non
     if not chat:
         return encode_prompt_text(tokenizer, text, max_bytes)
     if tokenizer.chat_template is None:
-        raise ValueError("apply_chat_template: the tokenizer has no chat template")
+        raise RequestError("apply_chat_template", "the tokenizer has no chat template")
     messages = _messages(text)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     check_prompt_bytes(rendered, max_bytes)

@@ -2,7 +2,7 @@
 tensors are the contracts' (serving/shared/contracts/vllm_text.py, trtllm_scalars.py, token_model.py).
 
 `get(name)` returns an input tensor as a numpy array, or None when the client did not send it. Every error is a
-ValueError whose message starts with the offending field, e.g. "top_p: must be in (0, 1], got 2.0".
+RequestError naming the offending field, e.g. "top_p: must be in (0, 1], got 2.0".
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from nanoserve.coercion import optional_bool
+from nanoserve.errors import RequestError
 from nanoserve.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from nanoserve.serving.shared.contracts.trtllm_scalars import SCALAR_INPUTS, STOP_WORDS, is_integer
 from nanoserve.serving.shared.contracts.vllm_text import (FLAG_INPUTS, INPUT_IDS, OPTIONAL_OUTPUTS,
@@ -49,31 +50,12 @@ def parse_request(get: Getter, parameters: str = "", tokens: bool = False,
     else:
         values, flag_values = json_object(SAMPLING_PARAMETERS.name, single(SAMPLING_PARAMETERS.name, tensor)), {}
     flags = {name: _flag(get, name, flag_values.get(name)) for name in FLAG_INPUTS}
-    params = _sampling_params({**values, **_scalar_tensors(get)})
+    params = SamplingParams.from_dict({**values, **_scalar_tensors(get)})
     if tokens and params.n > 1:
-        raise ValueError(f"n: the token model (the ensemble) generates one sequence per request, got {params.n}")
+        raise RequestError("n", f"the token model (the ensemble) generates one sequence per request, got {params.n}")
     # return_logprobs without a `logprobs` sampling parameter returns null, as vllm_backend does
     outputs = frozenset(name for name in OPTIONAL_OUTPUTS if flags[f"return_{name}"])
     return ParsedRequest(prompt, params, flags["stream"], flags["exclude_input_in_output"], outputs)
-
-
-def _sampling_params(values: dict) -> SamplingParams:
-    try:
-        return SamplingParams.from_dict(values)
-    except RecursionError:  # a string value parsed as JSON (e.g. stop_token_ids "[[[[...") nested too deeply
-        for name, value in values.items():
-            try:
-                SamplingParams.from_dict({name: value})
-            except RecursionError:
-                raise ValueError(f"{name}: nested too deeply") from None
-            except ValueError:
-                pass
-        raise ValueError("sampling_parameters: nested too deeply") from None
-
-
-def name_prompt_input(message: str, input_name: str) -> str:
-    """The engine's errors about the prompt start with "prompt:"; a client knows it as the input it sent."""
-    return input_name + message[len("prompt"):] if message.startswith("prompt:") else message
 
 
 def text_model_prompt(get: Getter, max_model_len: int | None) -> str | list[int]:
@@ -81,40 +63,40 @@ def text_model_prompt(get: Getter, max_model_len: int | None) -> str | list[int]
     if get(INPUT_IDS.name) is None:
         return parse_text_prompt(get)
     if get(TEXT_INPUT.name) is not None:
-        raise ValueError("input_ids: give text_input or input_ids, not both")
+        raise RequestError("input_ids", "give text_input or input_ids, not both")
     return _token_prompt(get, max_model_len)
 
 
 def parse_text_prompt(get: Getter) -> str:
     value = utf8(TEXT_INPUT.name, single(TEXT_INPUT.name, required(get, TEXT_INPUT.name)))
     if not value:
-        raise ValueError("text_input: empty prompt")
+        raise RequestError("text_input", "empty prompt")
     return value
 
 
 def _token_prompt(get: Getter, max_model_len: int | None) -> list[int]:
     array = required(get, INPUT_IDS.name)
     if array.dtype.kind not in "iu":
-        raise ValueError(f"input_ids: expected integer token ids, got {array.dtype}")
+        raise RequestError("input_ids", f"expected integer token ids, got {array.dtype}")
     if max_model_len is not None and array.size >= max_model_len:
-        raise ValueError(f"input_ids: {array.size} tokens leave no room to generate within max_model_len "
+        raise RequestError("input_ids", f"{array.size} tokens leave no room to generate within max_model_len "
                          f"({max_model_len})")
     ids = array.reshape(-1).tolist()
     if not ids:
-        raise ValueError("input_ids: empty prompt")
+        raise RequestError("input_ids", "empty prompt")
     return ids
 
 
 def required(get: Getter, name: str) -> np.ndarray:
     array = get(name)
     if array is None:
-        raise ValueError(f"{name}: missing required input")
+        raise RequestError(name, "missing required input")
     return array
 
 
 def single(name: str, array: np.ndarray):
     if array.size != 1:
-        raise ValueError(f"{name}: expected one element, got shape {list(array.shape)}")
+        raise RequestError(name, f"expected one element, got shape {list(array.shape)}")
     return array.reshape(-1)[0]
 
 
@@ -126,16 +108,16 @@ def _request_parameters(text: str) -> dict:
 
 def json_object(name: str, text: str | bytes) -> dict:
     if isinstance(text, (str, bytes)) and len(text) > MAX_JSON_BYTES:
-        raise ValueError(f"{name}: {len(text)} bytes, at most {MAX_JSON_BYTES}")
+        raise RequestError(name, f"{len(text)} bytes, at most {MAX_JSON_BYTES}")
     text = utf8(name, text)
     try:
         value = json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
-        raise ValueError(f"{name}: invalid JSON ({e.msg} at char {e.pos})") from None
+        raise RequestError(name, f"invalid JSON ({e.msg} at char {e.pos})") from None
     except RecursionError:
-        raise ValueError(f"{name}: invalid JSON (nested too deeply)") from None
+        raise RequestError(name, "invalid JSON (nested too deeply)") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {type(value).__name__}")
+        raise RequestError(name, f"expected a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -154,7 +136,7 @@ def _scalar_tensors(get: Getter) -> dict:
         value = single(name, array)
         integer = is_integer(spec)
         if integer and not isinstance(value, np.integer) or not integer and not isinstance(value, np.number):
-            raise ValueError(f"{name}: expected {spec.data_type[5:]}, got {np.asarray(value).dtype}")
+            raise RequestError(name, f"expected {spec.data_type[5:]}, got {np.asarray(value).dtype}")
         values[name] = int(value) if integer else float(value)
     stop_words = get(STOP_WORDS.name)
     if stop_words is not None:
@@ -164,10 +146,10 @@ def _scalar_tensors(get: Getter) -> dict:
 
 def _stop_words(array: np.ndarray) -> list[str]:
     if array.size > MAX_STOP_STRINGS:
-        raise ValueError(f"stop_words: at most {MAX_STOP_STRINGS} entries, got {array.size}")
+        raise RequestError("stop_words", f"at most {MAX_STOP_STRINGS} entries, got {array.size}")
     words = array.reshape(-1).tolist()
     if any(isinstance(w, (bytes, str)) and len(w) > MAX_STOP_WORD_BYTES for w in words):
-        raise ValueError(f"stop_words: an entry has at most {MAX_STOP_STRING_CHARS} characters")
+        raise RequestError("stop_words", f"an entry has at most {MAX_STOP_STRING_CHARS} characters")
     return [utf8(STOP_WORDS.name, w) for w in words if w]
 
 
@@ -177,6 +159,6 @@ def utf8(name: str, value) -> str:
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{name}: not valid UTF-8 (byte 0x{value[e.start]:02x} at position {e.start})") from None
+        raise RequestError(name, f"not valid UTF-8 (byte 0x{value[e.start]:02x} at position {e.start})") from None
     except AttributeError:
-        raise ValueError(f"{name}: expected a string, got {type(value).__name__}") from None
+        raise RequestError(name, f"expected a string, got {type(value).__name__}") from None

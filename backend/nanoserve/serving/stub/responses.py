@@ -15,13 +15,14 @@ from typing import NamedTuple
 
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.serving.shared.contracts.vllm_text import COMMON_OUTPUTS, TEXT_OUTPUTS, prompt_input
 from nanoserve.serving.shared.engine_model import UNAVAILABLE
 from nanoserve.serving.stub.control import CancelById, Drain
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
-from nanoserve.serving.stub.request import ParsedRequest, name_prompt_input
+from nanoserve.serving.stub.request import ParsedRequest
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,7 @@ class Register:
 @dataclass
 class Reject:
     sender: object
-    message: str
-    code: str = "INVALID_ARG"  # the TritonError code's name
+    error: RequestError
 
 
 STOP = object()
@@ -93,7 +93,7 @@ class ResponseThread:
     sends held-back text as an empty delta.
     """
 
-    def __init__(self, pb_utils, events: queue.Queue, engine_core, metrics, formatter, prompt_field: str,
+    def __init__(self, pb_utils, events: queue.Queue, engine_core, metrics, formatter,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
                  every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
                  ended_arrays=None):
@@ -103,7 +103,6 @@ class ResponseThread:
         self.engine_core = engine_core
         self.metrics = metrics
         self.formatter = formatter
-        self.prompt_field = prompt_field  # the input the engine's "prompt: ..." errors are about
         self.cancel_check_interval = cancel_check_interval
         self.clock = clock
         self.on_engine_failure = on_engine_failure  # called once, on this thread, with engine_core.failure
@@ -134,7 +133,7 @@ class ResponseThread:
         while not self.handle_events(self._next_events(self._wait_time())):
             pass
         for request_id in list(self.streams):
-            self._fail(request_id, "the model is being unloaded", self.pb.TritonError.UNAVAILABLE)
+            self._fail(request_id, RequestError(None, "the model is being unloaded", ErrorKind.UNAVAILABLE))
         self._check_drained()
 
     def handle_events(self, events: list) -> bool:
@@ -173,7 +172,7 @@ class ResponseThread:
         elif isinstance(event, Drain):
             self.drains.append(event)
         else:
-            self._send_error(event.sender, event.message, getattr(self.pb.TritonError, event.code))
+            self._send_error(event.sender, event.error)
 
     def _wait_time(self) -> float | None:
         """Until the next cancellation check, flush or metrics publish that is due; None: nothing is."""
@@ -199,12 +198,10 @@ class ResponseThread:
     def _handle_steps(self, steps: list[StepResult]) -> None:
         for step in steps:
             self._record_timing(step)
-            for request_id, message in step.rejected:
-                stream = self.streams.get(request_id)
-                field = self.prompt_field if stream is None else prompt_input(stream.request.prompt)
-                self._fail(request_id, name_prompt_input(message, field), self.pb.TritonError.INVALID_ARG)
+            for request_id, error in step.rejected:
+                self._fail(request_id, error)
             for request_id, message in step.failed:
-                self._fail(request_id, message, self.pb.TritonError.INTERNAL)
+                self._fail(request_id, RequestError(None, message, ErrorKind.INTERNAL))
         self.metrics.record_engine(steps[-1].stats)
         self.metrics.record_generated(sum(len(o.new_token_ids) for step in steps for o in step.outputs))
         self.pacer.add([step.outputs for step in steps], self._send_output)  # after counting: merging joins them
@@ -222,7 +219,7 @@ class ResponseThread:
         except Exception:  # this request fails, not the others
             logger.exception("nanoserve: sending a response failed")
             self.engine_core.abort(request_id)
-            self._fail(request_id, "internal error: sending a response failed", self.pb.TritonError.INTERNAL)
+            self._fail(request_id, RequestError(None, "internal error: sending a response failed", ErrorKind.INTERNAL))
 
     def _publish_metrics(self, force: bool = False) -> None:
         """Every PUBLISH_INTERVAL; a backlog of histogram samples goes a slice per round (responses go out between
@@ -266,7 +263,7 @@ class ResponseThread:
     def _end_all(self, message: str) -> None:
         for request_id in list(self.streams):
             self.engine_core.abort(request_id)  # frees its blocks (a no-op for a failed engine)
-            self._fail(request_id, message, self.pb.TritonError.UNAVAILABLE)
+            self._fail(request_id, RequestError(None, message, ErrorKind.UNAVAILABLE))
 
     def _check_cancelled(self) -> None:
         """Every cancel_check_interval: ask up to CANCEL_CHECKS_PER_ROUND streams in turn whether their client
@@ -300,7 +297,7 @@ class ResponseThread:
         finished = outputs[-1].finished  # merge_into puts the latest last
         if stream.cancelled and not (finished and stream.abort_with_final):
             if finished:
-                self._fail(request_id, "request cancelled", self.pb.TritonError.CANCELLED, finished=True)
+                self._fail(request_id, RequestError(None, "request cancelled", ErrorKind.CANCELLED), finished=True)
             return
         arrays = self.formatter(stream, outputs)
         if finished:
@@ -328,20 +325,21 @@ class ResponseThread:
         self._record_finished(stream)
         stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _fail(self, request_id: str, message: str, code, finished: bool = False) -> None:
+    def _fail(self, request_id: str, error: RequestError, finished: bool = False) -> None:
         """End the request with an error (or ended_arrays); finished: the engine ended it (its metrics are
-        recorded)."""
+        recorded). An error about the prompt names the input the client sent it in."""
         stream = self.streams.pop(request_id, None)
         if stream is None:
             return
+        error = error.renamed({"prompt": prompt_input(stream.request.prompt)})
         if finished:
             self._record_finished(stream)
         if stream.responded and self.ended_arrays is not None:
-            logger.warning("nanoserve: request %s ends early: %s", request_id, message)
+            logger.warning("nanoserve: request %s ends early: %s", request_id, error)
             stream.sender.send(self._response(self.ended_arrays(stream, request_id)),
                                flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
-            self._send_error(stream.sender, message, code)
+            self._send_error(stream.sender, error)
 
     def _record_finished(self, stream: Stream) -> None:
         """Before the last response is sent; the last request in flight also publishes every metric then, so a
@@ -367,9 +365,9 @@ class ResponseThread:
     def _response(self, arrays: dict):
         return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(name, a) for name, a in arrays.items()])
 
-    def _send_error(self, sender, message: str, code) -> None:
-        error = self.pb.TritonError(message, code)
-        sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+    def _send_error(self, sender, error: RequestError) -> None:
+        triton_error = self.pb.TritonError(str(error), getattr(self.pb.TritonError, error.kind.value))
+        sender.send(self.pb.InferenceResponse(error=triton_error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def next_turn(keys: list, cursor: int, count: int = CANCEL_CHECKS_PER_ROUND) -> tuple[list, int]:

@@ -3,7 +3,7 @@ sampling_parameters JSON, TRT-LLM's scalars (trtllm_scalars.py) and boolean flag
 the return_* flags ask for out, one entry per sequence of the request (n of them).
 
 The stub parses a request with stub/request.py and formats its responses with stub/responses.py; a client builds
-a request with `TextRequest` and reads a response with `decode_response`.
+a request with `TextRequest`, reads a response with `decode_response` and an error with `decode_error`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.serving.shared.contracts import trtllm_scalars
 from nanoserve.serving.shared.contracts.tensors import TensorSpec, grpc_inputs, json_values, specs, values_of
 
@@ -123,3 +124,18 @@ def decode_response(get) -> TextResponse:
                         [json.loads(entry) for entry in strings("logprobs")],
                         num_input[0] if num_input else None,
                         json.loads(prompt_logprobs[0]) if prompt_logprobs else None)
+
+
+# A Triton error without a field: its kind by its words (tritonserver's, the stub's: stub/responses.py, ...)
+MARKERS = {ErrorKind.INTERNAL: ("Traceback",),
+           ErrorKind.UNAVAILABLE: ("is being unloaded", "has no available versions", "the model is unavailable",
+                                   "the server is shutting down"),
+           ErrorKind.NOT_FOUND: ("unknown model", "is not found")}
+
+
+def decode_error(message: str) -> RequestError:
+    """A Triton error's text (gRPC streams carry no code) as the RequestError it reports; str() gives it back."""
+    error = RequestError.parse(message)
+    kind = next((kind for kind, words in MARKERS.items() if any(w in message for w in words)), error.kind)
+    kind = ErrorKind.INTERNAL if message.startswith("internal error") else kind
+    return error if error.field else RequestError(None, message, kind)
