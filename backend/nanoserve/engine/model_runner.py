@@ -68,7 +68,9 @@ class LaunchedStep:
     prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
     simulated: SimulatedStep | None = None
     meta: SamplingMetadata | None = None  # once sampled
-    sampled: SamplerOutput | None = None  # on the device, once sampled
+    sampled: SamplerOutput | None = None  # once sampled: on the host (CUDA: being copied there)
+    token_ids: torch.Tensor | None = None  # once sampled: the sampled ids on the device, for the next step
+    copied: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host were queued
 
 
 def pick_device(config: EngineConfig, rank: int) -> torch.device:
@@ -303,7 +305,7 @@ class ModelRunner:
                 len(inputs.input_ids), len(inputs.logits_indices), self.config.hf_config.vocab_size))
         placeholders = None
         if rows is not None and len(rows):
-            sources = previous.sampled.token_ids
+            sources = previous.token_ids
             placeholders = (torch.from_numpy(places).to(self.device, non_blocking=True),
                             sources[torch.from_numpy(rows).to(sources.device, non_blocking=True)])
         logits = self.forward(inputs, placeholders)
@@ -313,8 +315,15 @@ class ModelRunner:
     def sample_launched(self, step: LaunchedStep, bitmask: TokenBitmask | None = None) -> None:
         """Launch the sampling of the last step launched (within bitmask); its ids stay on the device."""
         step.meta = self.batch.sampling_metadata(self.device, bitmask)
-        if step.simulated is None:
-            step.sampled, step.logits = self.sampler(step.logits, step.meta), None
+        if step.simulated is not None:
+            return
+        sampled, step.logits = self.sampler(step.logits, step.meta), None
+        step.sampled, step.token_ids = sampled, sampled.token_ids
+        if self.device.type == "cuda":  # queued now, so that reading them waits for this step, not the next
+            tensors = (getattr(sampled, f.name) for f in dataclasses.fields(sampled))
+            step.sampled = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+            step.copied = torch.cuda.Event()
+            step.copied.record()
 
     def result(self, step: LaunchedStep) -> RunnerOutput:
         """A sampled step's tokens on the host (waiting for the device), written into the token table."""
@@ -323,6 +332,8 @@ class ModelRunner:
             out = RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
                                {row: ([], [], 1) for row in step.meta.logprob_rows})
         else:
+            if step.copied is not None:
+                step.copied.synchronize()
             out = self._to_host(step.sampled, step.meta, step.prompt_logprobs)
         self.batch.fill_pending(step.pending, out.token_ids)
         return out
