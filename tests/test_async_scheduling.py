@@ -276,3 +276,28 @@ def finish(scheduler: Scheduler, sampled, stop_at: dict[str, int]) -> None:
     for seq in sampled.scored:
         scheduler.finish(seq, "length")
 
+
+
+def test_async_outputs_with_lora_adapters_are_the_synchronous_ones(qwen3_dir, lora_adapters):
+    """One adapter slot for two adapters and the base model: adapters are loaded into the slot while the step
+    before runs."""
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(engine_config(qwen3_dir, enable_lora=True, max_loras=1, max_lora_rank=8,
+                                         async_scheduling=async_scheduling))
+        try:
+            for name, path in lora_adapters["qwen3"].items():
+                engine.add_lora(name, path)
+            for index, lora_name in enumerate(["wide", None, "narrow", "wide", "narrow"]):
+                engine.add_request(f"r{index}", "Héllo wörld", SamplingParams(
+                    temperature=0, max_tokens=6 + index, ignore_eos=True, logprobs=1, lora_name=lora_name))
+            outputs = {}
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    outputs.setdefault(output.request_id, []).append(
+                        (output.new_token_ids, output.new_logprobs, output.finish_reason))
+            results.append(outputs)
+            assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+        finally:
+            engine.shutdown()
+    assert results[1] == results[0]
