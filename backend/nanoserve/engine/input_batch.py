@@ -48,6 +48,9 @@ class StepInputs:
     max_seq_len: int
     prompt_positions: PromptPositions | None = None  # the tokens whose logits give prompt logprobs
     lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
+    # async scheduling: input ids the host lacks (the step before samples them), as tensors on the device: (their
+    # places among input_ids, the ids), written after the upload
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

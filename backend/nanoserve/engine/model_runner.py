@@ -303,12 +303,11 @@ class ModelRunner:
                          inputs.query_start_loc, inputs.seq_lens, inputs.block_tables)
             return LaunchedStep(pending, simulated=self.simulated.launch(
                 len(inputs.input_ids), len(inputs.logits_indices), self.config.hf_config.vocab_size))
-        placeholders = None
         if rows is not None and len(rows):
             sources = previous.token_ids
-            placeholders = (torch.from_numpy(places).to(self.device, non_blocking=True),
-                            sources[torch.from_numpy(rows).to(sources.device, non_blocking=True)])
-        logits = self.forward(inputs, placeholders)
+            inputs.placeholders = (torch.from_numpy(places).to(self.device, non_blocking=True),
+                                   sources[torch.from_numpy(rows).to(sources.device, non_blocking=True)])
+        logits = self.forward(inputs)
         return LaunchedStep(pending, logits, self.step_prompt_logprobs)
 
     @torch.inference_mode()
@@ -338,29 +337,27 @@ class ModelRunner:
         self.batch.fill_pending(step.pending, out.token_ids)
         return out
 
-    def forward(self, inputs: StepInputs,
-                placeholders: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.
-        The prompt logprobs the step computes wait in self.step_prompt_logprobs for sample(). placeholders:
-        (places among the input ids, token ids on the device) that the host's input ids lack (async scheduling)."""
+        The prompt logprobs the step computes wait in self.step_prompt_logprobs for sample()."""
         self.step_prompt_logprobs = {}
         if not len(inputs.input_ids):  # a step that only preempted
             return None if get_tp_rank() else torch.zeros(0, self.config.hf_config.vocab_size, device=self.device)
-        hidden, logits_indices = self.hidden_states(inputs, placeholders)
+        hidden, logits_indices = self.hidden_states(inputs)
         if inputs.prompt_positions is not None:
             self.step_prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_positions)
         logits = self.model.compute_logits(hidden if logits_indices is None else hidden[logits_indices])
         return None if logits is None else logits.float()
 
-    def hidden_states(self, inputs: StepInputs, placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def hidden_states(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's last hidden states [step tokens, hidden] and the indices of the sampled ones on the device
         (None when every token is sampled, in order)."""
         input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables)
-        if placeholders is not None:
-            input_ids[placeholders[0]] = placeholders[1]
+        if inputs.placeholders is not None:
+            places, token_ids = inputs.placeholders
+            input_ids[places] = token_ids
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
         lora = None if inputs.lora_slots is None else LoRABatch.of_tokens(inputs.lora_slots, self.device)
