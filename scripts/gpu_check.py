@@ -45,11 +45,11 @@ ENGINE_CONFIGS = {"triton-graphs": "attention_backend=triton,enforce_eager=false
                   "triton-eager": "attention_backend=triton,enforce_eager=true",
                   "torch-eager": "attention_backend=torch"}
 FEATURE_TESTS = (["tests/test_llm.py", "tests/test_parallel_sampling.py", "tests/test_lora.py",
-                  "tests/test_structured_outputs.py"],
+                  "tests/test_structured_outputs.py", "tests/test_async_scheduling.py"],
                  "chunked_prefill or preemption or prefix_cache or fully_cached or prefix_caching_off "
                  "or samples_differ or seeded_samples or greedy_samples or prompt_logprobs "
                  "or mixed_adapter_batch or swaps_adapters or structured_outputs_run or follow_their_schema "
-                 "or greedy_constrained or grammar_in_step or n_samples")
+                 "or greedy_constrained or grammar_in_step or n_samples or async_outputs")
 
 
 @dataclass
@@ -93,7 +93,7 @@ def make_steps(args, junit: Path) -> list[Step]:
                                  (70 if i == 0 else 50) * bound, ENGINE_TESTS,
                                  {**env, "NANOSERVE_TEST_ENGINE_ARGS": engine_args}, junit))
     steps.append(pytest_step("features", "prefix caching, chunked prefill, preemption, n, LoRA, structured "
-                             "outputs, prompt logprobs", 90 * bound, FEATURE_TESTS, env, junit))
+                             "outputs, prompt logprobs, async scheduling", 90 * bound, FEATURE_TESTS, env, junit))
     bench = [sys.executable, "client/bench_gpu.py", "--out", str(Path(args.out) / "bench")]
     bench += SMOKE_ARGS if device == "cuda" else ["--dry-run"]
     steps.append(Step("bench", "a 60-second smoke of client/bench_gpu.py", 90 * bound, bench,

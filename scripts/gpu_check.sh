@@ -14,7 +14,7 @@
 #                      the engine equal to HF greedy (CUDA-graph capture, replay, the fallback past the
 #                      largest bucket, a batch whose size changes every step)                  70 + 50 + 50 s
 #   features           prefix caching, chunked prefill, preemption, n, LoRA (Triton kernel), structured
-#                      outputs, prompt logprobs, on CUDA                                                  90 s
+#                      outputs, prompt logprobs, async scheduling, on CUDA                                90 s
 #   bench              a 60-second smoke of client/bench_gpu.py (every section, small sizes)             90 s
 # The bounds add up to 470 s. Without CUDA the script runs in dry mode (tests/test_gpu_check.py).
 # It writes DIR/gpu_check.log, DIR/gpu_check.json (status, device, versions, each step's command, status,

@@ -37,10 +37,10 @@ class FaultySampler(Sampler):
         return super().__call__(logits, meta)
 
 
-@pytest.fixture
-def engine(qwen3_dir):
+@pytest.fixture(params=[False, True], ids=["sync", "async_scheduling"])
+def engine(qwen3_dir, request):
     engine = LLMEngine.from_engine_args(qwen3_dir, device="cpu", max_model_len=256, num_kvcache_blocks=64,
-                                        kvcache_block_size=16)
+                                        kvcache_block_size=16, async_scheduling=request.param)
     yield engine
     engine.shutdown()
 

@@ -104,3 +104,25 @@ def test_blocks_appended_to_several_rows_at_once_map_every_position():
     expected = [tables[name][p // 4] * 4 + p % 4 for name, rows in zip("abc", positions) for p in rows]
     assert inputs.slot_mapping.tolist() == expected
     assert inputs.block_tables.tolist() == [tables["a"], tables["b"] + [0], tables["c"]]
+
+
+def test_a_launched_steps_tokens_reach_only_the_rows_that_still_hold_their_slots():
+    """Async scheduling: step 2 is prepared before step 1's tokens are known. b leaves and d takes its slot in
+    step 2's diff: step 1's token for b lands nowhere (not in d's row), a's and c's are step 2's inputs."""
+    batch = InputBatch(max_num_seqs=3, max_model_len=8, block_size=2)
+    rows = [new(name, [i + 1] * 3, [2 * i, 2 * i + 1]) for i, name in enumerate("abc")]
+    first = step([0, 0, 0], [3, 3, 3], [True] * 3, new_seqs=rows)
+    batch.update(first)
+    batch.prepare(first)
+    pending = batch.take_pending()
+    second = step([3, 3, 0], [1, 1, 4], [True] * 3, finished_ids=["b"], new_seqs=[new("d", [9, 8, 7, 6], [2, 3])])
+    batch.update(second)  # no new_token_ids: the runner fills them in
+    inputs = batch.prepare(second)
+    assert batch.req_ids == ["a", "c", "d"] and batch.slots.tolist()[2] == 1  # d takes b's slot
+    rows_of_first, places = batch.placeholders(pending)
+    assert rows_of_first.tolist() == [0, 2] and places.tolist() == [0, 1]  # a's and c's tokens, not b's
+    sampled = np.array([10, 11, 12])
+    inputs.input_ids[places] = sampled[rows_of_first]
+    assert inputs.input_ids.tolist() == [10, 12, 9, 8, 7, 6]
+    batch.fill_pending(pending, sampled)
+    assert batch.token_ids[batch.slots, :4].tolist() == [[1, 1, 1, 10], [3, 3, 3, 12], [9, 8, 7, 6]]

@@ -125,3 +125,11 @@ def test_bench_overlap_runs_both_ways_on_the_simulated_device(capsys, monkeypatc
     assert sorted(rounds) == ["round 0 overlapped", "round 0 step by step", "round 1 overlapped",
                               "round 1 step by step"]
     assert "overlapped / step by step: median" in out
+
+
+def test_steps_run_in_launch_order():
+    """A step launched while the one before runs starts when that one is done (async scheduling launches so)."""
+    device = SimulatedDevice(60_000.0)
+    first, second = device.launch(4, 4, 32), device.launch(4, 4, 32)
+    assert second.ready_at == pytest.approx(first.ready_at + 60.0)
+    assert device.launch(0, 0, 32).ready_at == pytest.approx(second.ready_at)  # no tokens: no device time

@@ -16,7 +16,8 @@ from nanoserve.serving.shared.vllm_engine_args import OLDER_VLLM_ENGINE_ARGS, VL
 OWN = {field.name for field in EngineConfig.engine_args()}
 # nanoserve's engine arguments that mean what vLLM's of the same name mean (docs/serving.md lists them)
 SHARED = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "gpu_memory_utilization", "enable_prefix_caching",
-          "enforce_eager", "tensor_parallel_size", "dtype", "seed", "tokenizer", "attention_backend"}
+          "enforce_eager", "tensor_parallel_size", "dtype", "seed", "tokenizer", "attention_backend",
+          "async_scheduling"}
 VLLM_ONLY = sorted((VLLM_ENGINE_ARGS | OLDER_VLLM_ENGINE_ARGS) - OWN - set(VLLM_NAMES) - set(SERVING_ARGS))
 
 

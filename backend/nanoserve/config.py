@@ -70,6 +70,9 @@ class EngineConfig:
                                                  '"disable_by_batch_size": N}, or with a draft model '
                                                  '{"model": DIR_OR_GGUF, "num_speculative_tokens": K} '
                                                  "(default: off)")
+    async_scheduling: bool = _arg(False, "schedule and prepare each engine step while the step before it runs on "
+                                         "the device (vLLM's async scheduling); not with speculative_config or "
+                                         "tensor_parallel_size > 1")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -108,6 +111,7 @@ class EngineConfig:
         if self.cpu_kvcache_space_gib <= 0:
             raise ValueError(f"cpu_kvcache_space_gib: must be > 0, got {self.cpu_kvcache_space_gib}")
         self._check_lora_args()
+        self._check_async_scheduling()
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.tokenizer = self.model if self.tokenizer is None else _checkpoint("tokenizer", self.tokenizer)
@@ -120,6 +124,16 @@ class EngineConfig:
             self.quantization = "none"
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+
+    def _check_async_scheduling(self):
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling: expected a boolean, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling: not with speculative decoding (speculative_config is set): a step's "
+                             "proposals depend on the tokens of the step before it")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling: runs on one device, but tensor_parallel_size is "
+                             f"{self.tensor_parallel_size}")
 
     def _check_lora_args(self):
         _require_positive_int("max_loras", self.max_loras)

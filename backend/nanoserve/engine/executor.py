@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed import destroy_tp, free_port, init_tp
-from nanoserve.engine.model_runner import BitmaskOf, ModelRunner, RunnerOutput, pick_device
+from nanoserve.engine.model_runner import BitmaskOf, LaunchedStep, ModelRunner, RunnerOutput, pick_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.thread_names import set_os_thread_name
 
@@ -41,6 +41,17 @@ class Executor:
         while_running once the step is launched (see ModelRunner.execute)."""
         self._send_workers("execute", (out,))
         return self.runner.execute(out, bitmask_of, while_running)
+
+    # async scheduling runs on one rank (EngineConfig refuses it with tensor parallelism)
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
+        """Prepare and launch a step while `previous` may still run (ModelRunner.launch)."""
+        return self.runner.launch(out, previous)
+
+    def sample_launched(self, step: LaunchedStep, bitmask) -> None:
+        self.runner.sample_launched(step, bitmask)
+
+    def result(self, step: LaunchedStep) -> RunnerOutput:
+        return self.runner.result(step)
 
     def call(self, method: str, *args):
         """Run runner.<method>(*args) on every rank; returns rank 0's result."""

@@ -17,6 +17,7 @@ from nanoserve.layers.sampler import GREEDY_TEMPERATURE, Penalties, SamplingMeta
 from nanoserve.sampling_params import SamplingParams
 
 _NO_TOP_K = 1 << 30
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 _MAX_TOKEN_ID = 1 << 31  # larger stop_token_ids cannot be in any vocabulary (and would overflow int64)
 # sampling features that cost work only while some row uses them (per-row checks are skipped otherwise)
 FEATURES = ("greedy", "top_k", "top_p", "min_p", "seed", "penalties", "min_tokens", "logprobs", "prompt_logprobs",
@@ -47,6 +48,22 @@ class StepInputs:
     max_seq_len: int
     prompt_positions: PromptPositions | None = None  # the tokens whose logits give prompt logprobs
     lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA adapter slot (-1: none); None: no adapters
+    # async scheduling: input ids the host lacks (the step before samples them), as tensors on the device: (their
+    # places among input_ids, the ids), written after the upload
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class PendingTokens:
+    """Where a launched step's sampled tokens go in the token table, one entry per sampling row (async
+    scheduling: the next step is prepared before they are known). An entry counts only while its slot holds the
+    same row: the slot's generation is the one it had."""
+    index: np.ndarray  # [N] int64: flat index into token_ids
+    slots: np.ndarray  # [N] int64
+    generations: np.ndarray  # [N] int64
+
+    def valid(self, slot_generation: np.ndarray) -> np.ndarray:
+        return slot_generation[self.slots] == self.generations
 
 
 def _features(params: SamplingParams) -> list[str]:
@@ -66,9 +83,11 @@ class InputBatch:
         self.req_ids: list[str] = []  # per row
         self.slots = np.zeros(0, dtype=np.int64)  # per row
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.slot_generation = np.zeros(max_num_seqs, dtype=np.int64)  # how many rows each slot has held
         # the rows that sample in the step being run, in order: their slots, their lengths (tokens held before
         # the sampled one), and where the sampled tokens go in token_ids (they come with the next diff)
         self.sampling_slots = self.sampling_lengths = self._next_token_index = np.zeros(0, dtype=np.int64)
+        self.step_token_index = np.zeros(0, dtype=np.int64)  # the prepared step's tokens' flat indices
         # speculative decoding: per sampling row of the step being run, the proposals it verifies (None: none);
         # its logits rows are the 1 + that many tokens ending the row's tokens in the step
         self.num_draft_tokens: np.ndarray | None = None
@@ -124,6 +143,7 @@ class InputBatch:
 
     def _add(self, new: NewSequence) -> int:
         slot = self._free_slots.pop()
+        self.slot_generation[slot] += 1
         self.req_ids.append(new.request_id)
         self.token_ids[slot, :len(new.token_ids)] = new.token_ids
         self.num_prompt_tokens[slot] = new.num_prompt_tokens
@@ -201,7 +221,7 @@ class InputBatch:
             positions = np.repeat(computed - (ends - counts), counts) + np.arange(out.num_batched_tokens)
             token_slots, max_query_len = np.repeat(slots, counts), int(counts.max())
             logits_indices = ends - 1
-        token_index = self._row_start[token_slots] + positions
+        token_index = self.step_token_index = self._row_start[token_slots] + positions
         seq_lens = computed + counts
         max_seq_len = int(np.maximum.reduce(seq_lens, initial=0))
         self.sampling_slots, self.sampling_lengths = slots, seq_lens
@@ -223,6 +243,32 @@ class InputBatch:
                           logits_indices, max_query_len, max_seq_len,
                           self._prompt_positions(out) if self.num_rows_using["prompt_logprobs"] else None,
                           self.lora_slot.take(token_slots) if self.num_lora_rows else None)
+
+    # ---- async scheduling ----
+    def take_pending(self) -> PendingTokens:
+        """Where the prepared step's sampled tokens go; the runner writes them (fill_pending), not the next diff."""
+        slots = self.sampling_slots
+        pending = PendingTokens(self._next_token_index, slots, self.slot_generation[slots])
+        self._next_token_index = self._next_token_index[:0]
+        return pending
+
+    def fill_pending(self, pending: PendingTokens, token_ids: np.ndarray) -> None:
+        """A launched step's sampled tokens into the token table (rows removed since are passed over)."""
+        valid = pending.valid(self.slot_generation)
+        self._flat_token_ids[pending.index[valid]] = token_ids[valid]
+
+    def placeholders(self, pending: PendingTokens) -> tuple[np.ndarray, np.ndarray]:
+        """The prepared step's tokens that an earlier step samples (not in the token table yet): (that step's
+        sampling rows, their places among this step's input ids)."""
+        valid = np.flatnonzero(pending.valid(self.slot_generation))
+        if not len(valid) or not len(self.step_token_index):
+            return _NO_ROWS, _NO_ROWS
+        index = pending.index[valid]
+        order = np.argsort(index)
+        sorted_index = index[order]
+        where = np.minimum(np.searchsorted(sorted_index, self.step_token_index), len(index) - 1)
+        places = np.flatnonzero(sorted_index[where] == self.step_token_index)
+        return valid[order[where[places]]], places
 
     def _write_drafts(self, out: SchedulerOutput) -> None:
         """The proposed tokens into the rows' token ids, after each row's last token."""

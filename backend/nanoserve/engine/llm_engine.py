@@ -15,9 +15,10 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.lora import LoRAAdapter, LoRASlots
+from nanoserve.engine.model_runner import LaunchedStep, RunnerOutput
 from nanoserve.engine.output_processor import OutputProcessor
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler import SampledSeqs, Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.structured_output import Grammar, StructuredOutputManager, TokenBitmask
@@ -48,13 +49,15 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.loras: dict[str, LoRAAdapter] = {}  # by name (add_lora)
         lora_slots = LoRASlots(config.max_loras) if config.enable_lora else None
-        self.scheduler = Scheduler(config, self.block_manager, lora_slots, config.speculative_config)
+        self.scheduler = Scheduler(config, self.block_manager, lora_slots, config.speculative_config,
+                                   config.async_scheduling)
         self.output_processor = OutputProcessor(self.tokenizer, eos, config.hf_config.vocab_size)
         self.vocab_size = config.hf_config.vocab_size
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self.pending_outputs: list[RequestOutput] = []  # abort notices, emitted by the next step()
         self.last_step = StepStats()
         self.num_generation_tokens = 0
+        self.in_flight: LaunchedStep | None = None  # async scheduling: the step launched, its tokens not read
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_args) -> "LLMEngine":
@@ -166,6 +169,7 @@ class LLMEngine:
     def _reset_batch(self) -> None:
         """Every running request back to waiting and the runners' batches empty, whatever part of a step failed."""
         self.scheduler.preempt_all()
+        self.in_flight = None
         self.executor.call("reset_batch")
         for seq in self.scheduler.waiting:  # a step that failed in the output processor advanced only some
             if seq.grammar is not None:
@@ -173,16 +177,20 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         processor = self.output_processor
-        return bool(processor.requests) or bool(self.pending_outputs) or bool(processor.deferred)
+        return bool(processor.requests) or bool(self.pending_outputs) or bool(processor.deferred) or \
+            self.in_flight is not None
 
     # ---- stepping -------------------------------------------------------------------------------
     def step(self, overlap: bool = False) -> list[RequestOutput]:
         """The abort notices queued since the last step (kept if the step raises), then this step's outputs.
         overlap: a stream whose end its token ids decide gets its output from the next step, which makes it while
-        its own forward runs (on a GPU, the host's detokenization then overlaps the device's work)."""
+        its own forward runs (on a GPU, the host's detokenization then overlaps the device's work). With
+        async_scheduling every output comes from the next step (overlap does not matter)."""
         outputs: list[RequestOutput] = []
         processor = self.output_processor
-        if overlap and not processor.requests:  # only deferred outputs are left
+        if self.config.async_scheduling:
+            self._step_async(outputs)
+        elif overlap and not processor.requests:  # only deferred outputs are left
             outputs = processor.emit_deferred()
         else:
             self._step(outputs, overlap)
@@ -201,23 +209,62 @@ class LLMEngine:
             self.pending_outputs += outputs  # made before the step failed: they come with the next one
             raise
         sampled_seqs = self.scheduler.update(scheduled, sampled.token_ids, sampled.num_tokens)
-        for seq, reason in processor.process(sampled_seqs, sampled, outputs, defer=overlap):
+        self._apply(sampled_seqs, sampled, outputs, overlap)
+        if sampled.num_tokens is not None:  # tokens of accepted runs after a stop are not output
+            self.num_generation_tokens -= self.output_processor.take_dropped_tokens()
+        self._record(scheduled, started)
+
+    def _apply(self, sampled_seqs: SampledSeqs, sampled: RunnerOutput, outputs: list[RequestOutput],
+               defer: bool) -> None:
+        """A step's tokens, appended by the scheduler: their outputs, and the sequences they finish."""
+        for seq, reason in self.output_processor.process(sampled_seqs, sampled, outputs, defer=defer):
             self.scheduler.finish(seq, reason)
         for seq in sampled_seqs.scored:
             outputs.append(self.output_processor.scored(seq))
             self.scheduler.finish(seq, "length")
         self.num_generation_tokens += len(sampled_seqs.seqs)
-        if sampled.num_tokens is not None:  # tokens of accepted runs after a stop are not output
-            self.num_generation_tokens -= self.output_processor.take_dropped_tokens()
+
+    def _record(self, scheduled: SchedulerOutput, started: float) -> None:
         prefill = scheduled.num_prefill_tokens
         self.last_step = StepStats(prefill, scheduled.num_batched_tokens - prefill, time.perf_counter() - started)
 
-    def _token_bitmask(self, scheduled: SchedulerOutput) -> TokenBitmask | None:
+    def _step_async(self, outputs: list[RequestOutput]) -> None:
+        """Async scheduling: schedule and launch the next step while the one launched by the last call runs (its
+        tokens are placeholders to the scheduler), then read that one's tokens and make its outputs while the new
+        one runs. A row whose sequence finished meanwhile computes in vain; its token is dropped."""
+        started = time.perf_counter()
+        previous, self.in_flight = self.in_flight, None
+        scheduled = self.scheduler.schedule()
+        try:
+            launched = self.executor.launch(scheduled, previous)
+            if previous is not None:
+                self._apply_launched(previous, outputs)
+            step_seqs = self.scheduler.scheduled[0].seqs
+            self.executor.sample_launched(launched, self._token_bitmask(scheduled, step_seqs))
+            if scheduled.num_batched_tokens:
+                self.in_flight = launched
+            else:  # nothing runs (the step only removed rows): done at once
+                self._apply_launched(launched, outputs)
+        except BaseException:
+            self.pending_outputs += outputs  # made before the step failed: they come with the next one
+            raise
+        self._record(scheduled, started)
+
+    def _apply_launched(self, launched: LaunchedStep, outputs: list[RequestOutput]) -> None:
+        sampled = self.executor.result(launched)
+        sampled_seqs, keep = self.scheduler.update_scheduled(sampled.token_ids)
+        if not keep.all():
+            sampled = sampled.select(keep)
+        self._apply(sampled_seqs, sampled, outputs, defer=False)
+
+    def _token_bitmask(self, scheduled: SchedulerOutput, seqs: list[Sequence] | None = None) -> TokenBitmask | None:
         """The tokens the step's sampling rows with structured outputs may take (None when no request has them),
-        at each proposed position too (a draft model's proposals are in `scheduled` by the time the runner asks)."""
+        at each proposed position too (a draft model's proposals are in `scheduled` by the time the runner asks).
+        seqs: the step's rows (default: the running sequences); a finished one's row is not constrained."""
         if not self.output_processor.constrained:
             return None
-        grammars = [seq.grammar for seq in compress(self.scheduler.running, scheduled.samples)]
+        step_seqs = self.scheduler.running if seqs is None else seqs
+        grammars = [None if seq.is_finished else seq.grammar for seq in compress(step_seqs, scheduled.samples)]
         if not len(scheduled.num_draft_tokens):
             return self.structured_outputs.bitmask(grammars)
         return self.structured_outputs.bitmask(grammars, scheduled.num_draft_tokens[scheduled.samples],

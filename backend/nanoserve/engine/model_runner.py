@@ -16,16 +16,16 @@ from nanoserve.config import EngineConfig
 from nanoserve.distributed import get_tp_rank, get_tp_size
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.draft_model import DraftModel
-from nanoserve.engine.input_batch import InputBatch, PromptPositions, StepInputs
+from nanoserve.engine.input_batch import InputBatch, PendingTokens, PromptPositions, StepInputs
 from nanoserve.engine.outputs import PromptLogprobs
 from nanoserve.engine.scheduler_output import NewSequence, SchedulerOutput
-from nanoserve.engine.simulated_device import SimulatedDevice
+from nanoserve.engine.simulated_device import SimulatedDevice, SimulatedStep
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.kernels.cpu_ops import library as cpu_kernels
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
-from nanoserve.layers.sampler import Sampler, token_logprobs
+from nanoserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.models.loader import default_dtype
 from nanoserve.models.lora import LoRAStore
@@ -52,6 +52,25 @@ class RunnerOutput:
     # speculative decoding: per sampling row, its tokens among token_ids (its accepted proposals and the token
     # after them); None: one each. logprobs and top_logprobs are then per token too
     num_tokens: np.ndarray | None = None
+
+    def select(self, keep: np.ndarray) -> RunnerOutput:
+        """The sampling rows that keep marks (async scheduling drops the rows of sequences that finished)."""
+        index = np.cumsum(keep) - 1
+        top = {int(index[row]): entry for row, entry in self.top_logprobs.items() if keep[row]}
+        return RunnerOutput(self.token_ids[keep], self.logprobs[keep], top, self.prompt_logprobs)
+
+
+@dataclass
+class LaunchedStep:
+    """Async scheduling: a step whose forward is launched and whose sampled ids are read later (result())."""
+    pending: PendingTokens  # where its sampled tokens go in the token table
+    logits: torch.Tensor | None = None  # [sampling rows, vocab] float32, until sampled (None: simulated)
+    prompt_logprobs: dict[str, tuple[int, PromptLogprobs]] = field(default_factory=dict)
+    simulated: SimulatedStep | None = None
+    meta: SamplingMetadata | None = None  # once sampled
+    sampled: SamplerOutput | None = None  # once sampled: on the host (CUDA: being copied there)
+    token_ids: torch.Tensor | None = None  # once sampled: the sampled ids on the device, for the next step
+    copied: torch.cuda.Event | None = None  # CUDA: recorded after the copies to the host were queued
 
 
 def pick_device(config: EngineConfig, rank: int) -> torch.device:
@@ -268,6 +287,56 @@ class ModelRunner:
             out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
         return out
 
+    # ---- async scheduling (one rank) ----
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Apply the step's diffs, prepare it (while `previous`, the step before it, may still run on the device)
+        and launch its forward; its input ids that `previous` samples are taken from previous's sampled ids on the
+        device (on the CPU: they are known)."""
+        inputs = self.prepare(out)
+        pending = self.batch.take_pending()
+        rows, places = self.batch.placeholders(previous.pending) if previous is not None else (None, None)
+        if self.simulated is not None:
+            if rows is not None:  # as the device would copy them
+                inputs.input_ids[places] = previous.simulated.sampled[rows]
+            self._upload(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices,
+                         inputs.query_start_loc, inputs.seq_lens, inputs.block_tables)
+            return LaunchedStep(pending, simulated=self.simulated.launch(
+                len(inputs.input_ids), len(inputs.logits_indices), self.config.hf_config.vocab_size))
+        if rows is not None and len(rows):
+            sources = previous.token_ids
+            inputs.placeholders = (torch.from_numpy(places).to(self.device, non_blocking=True),
+                                   sources[torch.from_numpy(rows).to(sources.device, non_blocking=True)])
+        logits = self.forward(inputs)
+        return LaunchedStep(pending, logits, self.step_prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_launched(self, step: LaunchedStep, bitmask: TokenBitmask | None = None) -> None:
+        """Launch the sampling of the last step launched (within bitmask); its ids stay on the device."""
+        step.meta = self.batch.sampling_metadata(self.device, bitmask)
+        if step.simulated is not None:
+            return
+        sampled, step.logits = self.sampler(step.logits, step.meta), None
+        step.sampled, step.token_ids = sampled, sampled.token_ids
+        if self.device.type == "cuda":  # queued now, so that reading them waits for this step, not the next
+            tensors = (getattr(sampled, f.name) for f in dataclasses.fields(sampled))
+            step.sampled = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in tensors))
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+
+    def result(self, step: LaunchedStep) -> RunnerOutput:
+        """A sampled step's tokens on the host (waiting for the device), written into the token table."""
+        if step.simulated is not None:
+            token_ids = step.simulated.token_ids()
+            out = RunnerOutput(token_ids, np.zeros(len(token_ids), np.float32),
+                               {row: ([], [], 1) for row in step.meta.logprob_rows})
+        else:
+            if step.copied is not None:
+                step.copied.synchronize()
+            out = self._to_host(step.sampled, step.meta, step.prompt_logprobs)
+        self.batch.fill_pending(step.pending, out.token_ids)
+        return out
+
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model on one step's inputs: float32 logits [sampling rows, vocab] on rank 0, None on the others.
         The prompt logprobs the step computes wait in self.step_prompt_logprobs for sample()."""
@@ -286,6 +355,9 @@ class ModelRunner:
         input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_lens, block_tables = self._upload(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.logits_indices, inputs.query_start_loc,
             inputs.seq_lens, inputs.block_tables)
+        if inputs.placeholders is not None:
+            places, token_ids = inputs.placeholders
+            input_ids[places] = token_ids
         batch = AttentionBatch(slot_mapping, query_start_loc, seq_lens, block_tables, inputs.max_query_len,
                                inputs.max_seq_len)
         lora = None if inputs.lora_slots is None else LoRABatch.of_tokens(inputs.lora_slots, self.device)
@@ -326,7 +398,14 @@ class ModelRunner:
         """The next tokens of the rows the last prepared step samples, from their logits (within the bitmask of
         the rows with structured outputs), with the step's prompt logprobs."""
         meta = self.batch.sampling_metadata(self.device, bitmask)
-        sampled = self.sampler(logits, meta)
+        out = self._to_host(self.sampler(logits, meta), meta, self.step_prompt_logprobs)
+        if self.batch.num_draft_tokens is not None:
+            out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
+        return out
+
+    def _to_host(self, sampled: SamplerOutput, meta: SamplingMetadata,
+                 prompt_logprobs: dict[str, tuple[int, PromptLogprobs]]) -> RunnerOutput:
+        """The sampler's output as host data (waits for the device)."""
         top = {}
         if meta.logprob_rows:
             ranks = sampled.sampled_ranks.tolist()
@@ -338,10 +417,7 @@ class ModelRunner:
         token_ids, logprobs = sampled.token_ids, sampled.sampled_logprobs
         if self.device.type != "cpu":  # (.cpu() costs host time even on a CPU tensor)
             token_ids, logprobs = token_ids.cpu(), logprobs.cpu()
-        out = RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, self.step_prompt_logprobs)
-        if self.batch.num_draft_tokens is not None:
-            out = verify(out, self.batch.num_draft_tokens, self.batch.draft_token_ids)
-        return out
+        return RunnerOutput(token_ids.numpy(), logprobs.numpy(), top, prompt_logprobs)
 
     def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Arrays to the device, in one host-to-device copy per dtype (each copy costs ~10 us of host time)."""

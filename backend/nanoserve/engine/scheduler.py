@@ -29,9 +29,19 @@ class SampledSeqs:
     scored: list[Sequence] = field(default_factory=list)  # max_tokens 0: the prompt is computed, nothing sampled
 
 
+@dataclass
+class ScheduledStep:
+    """Async scheduling: a step scheduled (its effect on the columns applied, its sampled tokens placeholders)
+    whose tokens are not known yet: its rows' sequences, and their computed tokens after it."""
+    out: SchedulerOutput
+    seqs: list[Sequence]
+    computed: np.ndarray
+    registered: bool = False  # the blocks it fills are in the prefix cache
+
+
 class Scheduler:
     def __init__(self, config, block_manager: BlockManager, lora_slots: LoRASlots | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, async_scheduling: bool = False):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -56,6 +66,10 @@ class Scheduler:
         self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) \
             if spec is not None and spec.method == "ngram" else None
         self.spec_stats = None if spec is None else SpecDecodeStats(spec.num_speculative_tokens)
+        # async scheduling: schedule() counts each sampling row's token at once (a placeholder) and keeps the step
+        # here until update_scheduled() gets its tokens; the next step may be scheduled in between
+        self.async_scheduling = async_scheduling
+        self.scheduled: list[ScheduledStep] = []
 
     # ---- queues ----
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -99,7 +113,12 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch."""
+        """Between steps: a running sequence is done; its blocks are freed and its row leaves the batch. (Async
+        scheduling: a sequence preempted after its last step was scheduled finishes from the waiting queue.)"""
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            self._release(seq, reason)
+            return
         row, last = self.running.index(seq), len(self.running) - 1
         del self.running[row]
         self.columns[:, row:last] = self.columns[:, row + 1:last + 1]
@@ -115,6 +134,8 @@ class Scheduler:
 
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
+        if self.scheduled:
+            self._register_scheduled()
         out = SchedulerOutput(self._new_token_ids, self._new_token_counts, self._finished_ids, [], [], [],
                               _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
         self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
@@ -135,6 +156,10 @@ class Scheduler:
         in_prompt = num_prompt > computed
         if np.count_nonzero(in_prompt):
             out.num_prefill_tokens = int(np.add.reduce(np.minimum(num_prompt - computed, counts)[in_prompt]))
+        if self.async_scheduling:
+            computed += counts
+            num_tokens += out.samples  # placeholders for the tokens the step samples
+            self.scheduled.append(ScheduledStep(out, list(self.running), computed.copy()))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
@@ -143,6 +168,8 @@ class Scheduler:
         columns = self.columns[:, :len(self.running)]
         computed, num_tokens, capacity = columns[0], columns[1], columns[2]
         counts = num_tokens - computed  # what each row lacks
+        if self.async_scheduling:  # a row whose placeholder reached its length limit finishes: nothing to compute
+            counts[(num_tokens >= columns[4]) & (num_tokens > columns[3])] = 0
         num_batched = int(np.add.reduce(counts))
         if num_batched > self.max_num_batched_tokens:  # the budget runs out: the oldest rows first
             counts = np.clip(self.max_num_batched_tokens - (counts.cumsum() - counts), 0, counts)
@@ -322,6 +349,45 @@ class Scheduler:
             num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
         return SampledSeqs(seqs, num_tokens, max_num_tokens, scored)
 
+    def update_scheduled(self, sampled_token_ids: np.ndarray) -> tuple[SampledSeqs, np.ndarray]:
+        """Async scheduling: update() for the earliest scheduled step, whose placeholders become sampled_token_ids
+        (one per sampling row in row order). Its rows may have finished or been preempted since it was scheduled;
+        a finished one's token is dropped. Returns the sequences that got tokens and which sampling rows they are
+        (a mask over sampled_token_ids)."""
+        step = self.scheduled.pop(0)
+        if not step.registered:
+            self._register_step(step)
+        samples = step.out.samples
+        sampled = list(compress(step.seqs, samples)) if np.count_nonzero(samples) < len(samples) else step.seqs
+        keep = np.fromiter((not seq.is_finished for seq in sampled), bool, len(sampled))
+        seqs = list(compress(sampled, keep))
+        for seq, token_id in zip(seqs, sampled_token_ids[keep].tolist()):
+            seq.token_ids.append(token_id)
+        num_tokens = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, len(seqs))
+        max_num_tokens = np.fromiter((seq.max_num_tokens for seq in seqs), np.int64, len(seqs))
+        scored = [] if np.count_nonzero(samples) == len(samples) else [
+            seq for seq, computed, sampling in zip(step.seqs, step.computed.tolist(), samples.tolist())
+            if not sampling and seq.status is SequenceStatus.RUNNING and computed == len(seq.token_ids)]
+        return SampledSeqs(seqs, num_tokens, max_num_tokens, scored), keep
+
+    def _register_scheduled(self) -> None:
+        """Async scheduling, before the next step is scheduled: the blocks the earliest scheduled step fills go
+        into the prefix cache, as update() puts them there (their tokens are known: the steps before it were
+        updated)."""
+        step = self.scheduled[0]
+        if not step.registered:
+            self._register_step(step)
+
+    def _register_step(self, step: ScheduledStep) -> None:
+        step.registered = True
+        if self.block_manager.enable_prefix_caching:
+            filled = block_offset(step.computed, self.block_size) < step.out.num_scheduled_tokens
+            for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
+                seq = step.seqs[row]
+                if seq.status is SequenceStatus.RUNNING:  # (not finished or preempted since)
+                    self.block_manager.cache_full_blocks(seq, int(step.computed[row]))
+        self.prompt_tokens_computed += step.out.num_prefill_tokens
+
     def _scored(self, samples: np.ndarray, computed: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
         """The rows that have computed every token and sample none: max_tokens 0, its prompt scored."""
         if np.count_nonzero(samples) == len(samples):
@@ -375,6 +441,7 @@ class Scheduler:
         while self.running:
             self._preempt(self.running[-1], out)
         self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
+        self.scheduled.clear()  # their placeholders are dropped: the preempted sequences hold their real tokens
         if self.lora_slots is not None:  # the step may have failed half-way through loading an adapter
             self.lora_slots.forget()
 

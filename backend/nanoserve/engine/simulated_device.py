@@ -58,6 +58,7 @@ class SimulatedDevice:
             raise ValueError(f"{ENV_WAIT}: expected one of {', '.join(WAITS)}, got {wait!r}")
         self.step_seconds, self.wait = step_ms / 1000, wait
         self.rng = np.random.default_rng(seed)
+        self.busy_until = 0.0  # when the last step launched is done: a device runs its steps in launch order
 
     @classmethod
     def from_env(cls, seed: int = 0, environ=os.environ) -> SimulatedDevice | None:
@@ -76,10 +77,10 @@ class SimulatedDevice:
                 "forward, random token ids; a benchmark tool, not for serving")
 
     def launch(self, num_tokens: int, num_rows: int, vocab_size: int) -> SimulatedStep:
-        """Start a step over num_tokens input tokens that samples num_rows rows; a step without tokens (one that
-        only preempted) takes no device time."""
-        launched = time.perf_counter()
-        ready_at = launched + self.step_seconds if num_tokens else launched
+        """Start a step over num_tokens input tokens that samples num_rows rows, once the steps launched before it
+        are done; a step without tokens (one that only preempted) takes no device time."""
+        start = max(time.perf_counter(), self.busy_until)
+        ready_at = self.busy_until = start + self.step_seconds if num_tokens else start
         if self.wait == "launch":
             sleep_until(ready_at)
         return SimulatedStep(ready_at, self.rng.integers(0, vocab_size, num_rows, dtype=np.int64),
