@@ -9,6 +9,7 @@ from itertools import compress
 
 import numpy as np
 
+from nanoserve.errors import RequestError
 from nanoserve.config import SpeculativeConfig
 from nanoserve.engine.block_manager import BlockManager, block_offset
 from nanoserve.engine.lora import LoRASlots
@@ -73,22 +74,23 @@ class Scheduler:
 
     # ---- queues ----
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError (naming the field) for a request that could never be served."""
+        """Raise a RequestError (a ValueError naming the field) for a request that could never be served."""
         if num_prompt_tokens == 0:
-            raise ValueError("prompt: empty (at least one token is needed)")
+            raise RequestError("prompt", "empty (at least one token is needed)")
         if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt: {num_prompt_tokens} tokens leaves no room to generate within "
-                             f"max_model_len ({self.max_model_len})")
+            raise RequestError("prompt", f"{num_prompt_tokens} tokens leaves no room to generate within "
+                                         f"max_model_len ({self.max_model_len})")
         if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) = "
-                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len ({self.max_model_len})")
+            raise RequestError("max_tokens", f"prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) = "
+                                             f"{num_prompt_tokens + max_tokens} exceeds max_model_len "
+                                             f"({self.max_model_len})")
         total = self.block_manager.num_total_blocks
         worst_case = -(-(num_prompt_tokens + max_tokens) // self.block_size)
         if worst_case > total:
             field = "prompt" if -(-num_prompt_tokens // self.block_size) > total else "max_tokens"
-            raise ValueError(f"{field}: prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs up to "
-                             f"{worst_case} KV cache blocks of {self.block_size} tokens, but the pool has only "
-                             f"{total}; it could never fit")
+            raise RequestError(field, f"prompt length ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs up to "
+                                      f"{worst_case} KV cache blocks of {self.block_size} tokens, but the pool has "
+                                      f"only {total}; it could never fit")
 
     def add(self, seq: Sequence, fork_of: Sequence | None = None) -> None:
         """Queue a sequence; fork_of: the first sample of its request (added just before it), whose prompt blocks
