@@ -195,7 +195,7 @@ def test_a_model_that_stops_answering_is_restarted(qwen3_dir, tmp_path):
     config.write_text(config.read_text().replace('backend: "nanoserve"', 'backend: "python"'))
     (repository / "nanoserve" / "1" / "model.py").write_text(BACKEND_MODEL.read_text() + FREEZE_HOOK)
     with running_server(repository, tmp_path, ["nanoserve"]) as server:
-        supervision, received, returned = supervisor.Supervisor(server, ["nanoserve"], liveness_timeout=30), [], []
+        supervision, received, returned = supervisor.Supervisor(server, ["nanoserve"], liveness_timeout=15), [], []
         watching = threading.Thread(target=lambda: returned.append(supervision.run(received)))
         watching.start()
         try:
