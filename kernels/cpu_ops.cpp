@@ -373,6 +373,116 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// One row of x [k] as int8 codes c = round(x * 127 / max |x|) (quantize_rows_ref), stored as c + Offset; returns
+// the row's scale, max |x| / 127.
+template <int Offset, typename C, typename T>
+float quantize_row(C* codes, const T* x, float* buf, int64_t k) {
+  const float* xr = as_float(x, buf, k);
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::abs(xr[i]));
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  // at::vec's round (to nearest even, one instruction), which -ffast-math leaves as it is
+  float rounded[kWidth];
+  for (int64_t i = 0; i < k; i += kWidth) {
+    const int64_t count = std::min(kWidth, k - i);
+    (Vec::loadu(xr + i, count) * Vec(inv)).round().store(rounded, count);
+    for (int64_t j = 0; j < count; ++j) codes[i + j] = static_cast<C>(static_cast<int>(rounded[j]) + Offset);
+  }
+  return top / 127.f;
+}
+
+// out[j] = sums[j] * row_scale * scales[j], in out's dtype
+template <typename T, typename S>
+void scale_row(T* out, const int32_t* sums, float row_scale, const S* scales, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = static_cast<T>(static_cast<float>(sums[j]) * row_scale * static_cast<float>(scales[j]));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Few rows: each 64 bytes of a weight row are loaded once and multiplied into every row of x by VNNI's u8 x s8 dot
+// products, so a call reads the weight once, as a matrix-vector product must; oneDNN's int8 GEMM (at::_int_mm)
+// repacks the weight on every call, which only many rows amortize. The unsigned operand is x's codes + 128:
+// sum (c + 128) w = sum c w + 128 sum w.
+constexpr int64_t kVnniMaxRows = 8;
+
+template <int64_t R>
+void vnni_rows(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t k, int64_t n, int64_t first,
+               int64_t last) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t j = first; j < last; ++j) {
+    const int8_t* wj = w + j * k;
+    __m512i acc[R], wsum = _mm512_setzero_si512();
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 64) {
+      const __mmask64 mask = k - i >= 64 ? ~__mmask64(0) : (__mmask64(1) << (k - i)) - 1;
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, wj + i);
+      wsum = _mm512_dpbusd_epi32(wsum, ones, wv);
+      for (int64_t r = 0; r < R; ++r)
+        acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(mask, codes + r * k + i), wv);
+    }
+    const int32_t offset = 128 * _mm512_reduce_add_epi32(wsum);
+    for (int64_t r = 0; r < R; ++r) sums[r * n + j] = _mm512_reduce_add_epi32(acc[r]) - offset;
+  }
+}
+
+// sums [rows, n] = (codes - 128) [rows, k] @ w [n, k]^T, for rows <= kVnniMaxRows
+void vnni_int_mm(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t rows, int64_t k, int64_t n) {
+  at::parallel_for(0, n, 64, [&](int64_t first, int64_t last) {
+    switch (rows) {
+#define ROWS_CASE(R) case R: vnni_rows<R>(sums, codes, w, k, n, first, last); break;
+      ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+    }
+  });
+}
+#else
+constexpr int64_t kVnniMaxRows = 0;  // built without VNNI: oneDNN's GEMM for every row count
+void vnni_int_mm(int32_t*, const uint8_t*, const int8_t*, int64_t, int64_t, int64_t) {}
+#endif
+
+// w8a8_linear_ref: each row of x [T, K] quantized to int8 with its own scale, an int8 x int8 -> int32 matmul
+// against qweight [N, K] (VNNI for a few rows, oneDNN's GEMM through at::_int_mm for more: both read the plain
+// weight), then y = sums * row scale * scales [N] (float32 or bfloat16), in x's dtype.
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in) {
+  TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&
+              qweight_in.size(1) == x_in.size(1) && scales_in.numel() == qweight_in.size(0) &&
+              (scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16),
+              "x: [T, K]; qweight: [N, K] int8; scales: [N] float32 or bfloat16");
+  const auto x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0);
+  const bool few = rows <= kVnniMaxRows;
+  auto codes = at::empty({rows, k}, x.options().dtype(few ? at::kByte : at::kChar));
+  std::vector<float> row_scale(rows), buf(k);
+  DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* xr = x.data_ptr<scalar_t>() + r * k;
+      row_scale[r] = few ? quantize_row<128>(codes.data_ptr<uint8_t>() + r * k, xr, buf.data(), k)
+                         : quantize_row<0>(codes.data_ptr<int8_t>() + r * k, xr, buf.data(), k);
+    }
+  });
+  at::Tensor sums;
+  if (few) {
+    sums = at::empty({rows, n}, x.options().dtype(at::kInt));
+    vnni_int_mm(sums.data_ptr<int32_t>(), codes.data_ptr<uint8_t>(), qweight.data_ptr<int8_t>(), rows, k, n);
+  } else {
+    sums = at::_int_mm(codes, qweight.t());
+  }
+  auto out = at::empty({rows, n}, x.options());
+  DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* o = out.data_ptr<scalar_t>() + r * n;
+      const int32_t* s = sums.data_ptr<int32_t>() + r * n;
+      if (scales.scalar_type() == at::kFloat)
+        scale_row(o, s, row_scale[r], scales.data_ptr<float>(), n);
+      else
+        scale_row(o, s, row_scale[r], scales.data_ptr<c10::BFloat16>(), n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
@@ -384,4 +494,5 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
         &fused_add_rms_norm);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &w8a8_linear);
 }

@@ -194,3 +194,21 @@ def int4_group_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                           offset: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ dequantize_int4_groups(packed, scale, offset)^T in x's dtype."""
     return F.linear(x, dequantize_int4_groups(packed, scale, offset).to(x.dtype))
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [T, K] as int8 codes round(x * 127 / max |x|) and its scale max |x| / 127 [T] (float32): a
+    row's |error| <= its scale / 2. An all-zero row has codes 0 and scale 0."""
+    x = x.float()
+    top = x.abs().amax(dim=1)
+    # 127 divided by top (`127 / top` would be 127 * (1 / top), rounded twice)
+    inv = torch.where(top > 0, torch.full_like(top, 127).div(top), torch.zeros_like(top))
+    return (x * inv[:, None]).round().to(torch.int8), top / 127
+
+
+def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ (qweight [N, K] int8 * scales [N])^T with x quantized per row (quantize_rows_ref): the exact
+    integer sums of the codes, times the row's scale and the output channel's, in x's dtype."""
+    codes, row_scale = quantize_rows_ref(x)
+    sums = codes.long() @ qweight.long().T
+    return (sums.float() * row_scale[:, None] * scales.float()).to(x.dtype)

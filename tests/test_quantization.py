@@ -10,13 +10,17 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from nanoserve import SamplingParams
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import LinearBase, MergedColumnParallelLinear
+from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
-from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
+from nanoserve.kernels.reference import quantize_rows_ref, w8a8_linear_ref
+from nanoserve.layers.quantization import INT4_MAX_ROWS, GroupQuantized, Int4Weight, Int8Weight, runs_w8a8
 from nanoserve.models.gguf import group_quantized
+from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
 
 T = gguf.GGMLQuantizationType
 BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding error, at most
@@ -31,10 +35,22 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def assert_linear_within(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_error: torch.Tensor):
-    """y equals F.linear(bf16(x), weight) up to weight_error per weight element and y's bfloat16 rounding."""
+def activation_error(x: torch.Tensor, w8a8: bool) -> torch.Tensor | None:
+    """How far int8 activations (W8A8) may be from bf16(x): half their row's step, and x's bfloat16 rounding."""
+    if not w8a8:
+        return None
+    _, row_scale = quantize_rows_ref(x)
+    return row_scale[:, None] / 2 + BF16_EPS * x.float().abs()
+
+
+def assert_linear_within(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_error: torch.Tensor,
+                         x_error: torch.Tensor | None = None):
+    """y equals F.linear(bf16(x), weight) up to weight_error per weight element, x_error per activation (where
+    they were quantized: activation_error) and y's bfloat16 rounding."""
     reference = F.linear(bf16(x), weight)
     bound = F.linear(bf16(x).abs(), weight_error) + BF16_EPS * reference.abs() + 1e-5
+    if x_error is not None:
+        bound += F.linear(x_error, weight.abs() + weight_error)
     assert y.dtype == x.dtype and y.shape == reference.shape
     assert ((y.float() - reference).abs() <= bound).all(), (y.float() - reference).abs().max()
 
@@ -55,7 +71,9 @@ def test_int8_linear_matches_its_dequantized_weight(shape, dtype):
     scales = quantized.scales.float()[:, None]
     assert ((dequantized - weight).abs() <= scales / 2 * (1 + 1e-6)).all()  # round to nearest
     assert (scales <= weight.abs().amax(1, keepdim=True) / 127 * (1 + 2 ** -6)).all()  # the step is max|w| / 127
-    assert_linear_within(quantized.linear(x, None), x, dequantized, torch.zeros_like(weight))
+    assert quantized.w8a8 == runs_w8a8(quantized.qweight)
+    assert_linear_within(quantized.linear(x, None), x, dequantized, torch.zeros_like(weight),
+                         activation_error(x, quantized.w8a8))
     torch.testing.assert_close(quantized.linear(x, bias), quantized.linear(x, None) + bias)
     rows = torch.tensor([3, 0, 3])
     torch.testing.assert_close(quantized.embedding(rows, dtype), dequantized[rows].to(dtype))
@@ -64,8 +82,9 @@ def test_int8_linear_matches_its_dequantized_weight(shape, dtype):
 @pytest.mark.parametrize("shape", [(48, 64), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_matches_its_dequantized_weight(shape, dtype):
+    """Up to INT4_MAX_ROWS rows by the int4 kernel (more, where W8A8 runs: the int8 copy's test below)."""
     torch.manual_seed(0)
-    weight, x = torch.randn(shape), torch.randn(7, shape[1], dtype=dtype)
+    weight, x = torch.randn(shape), torch.randn(INT4_MAX_ROWS, shape[1], dtype=dtype)
     groups = GroupQuantized.from_float(weight)
     assert groups.group == 32 and groups.codes.dtype == torch.uint8 and int(groups.codes.max()) <= 15
     step = groups.scale.repeat_interleave(32, 1)
@@ -80,12 +99,108 @@ def test_int4_linear_matches_its_dequantized_weight(shape, dtype):
     assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_runs_more_rows_on_its_int8_copy(dtype):
+    """Where W8A8 runs, a 4-bit weight holds an int8 copy of itself (per output channel, requantized from the
+    dequantized groups) for more than INT4_MAX_ROWS rows; elsewhere every row count runs the int4 kernel."""
+    torch.manual_seed(0)
+    weight = torch.randn(960, 576)
+    groups = GroupQuantized.from_float(weight)
+    quantized = Int4Weight.from_groups(groups)
+    x = torch.randn(INT4_MAX_ROWS + 5, 576, dtype=dtype)
+    copy = quantized.many_rows
+    if copy is None:
+        assert not runs_w8a8(quantized.packed)
+        assert_linear_within(quantized.linear(x, None), x, int4_reference(quantized, groups.codes),
+                             torch.zeros_like(weight))
+        return
+    step = copy.scales.float()[:, None].expand_as(weight)
+    assert ((copy.dequantize() - groups.dequantize()).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert quantized.nbytes == quantized.packed.nbytes + quantized.scale_and_zero.nbytes + copy.nbytes
+    assert_linear_within(quantized.linear(x, None), x, copy.dequantize(), torch.zeros_like(weight),
+                         activation_error(x, True))
+    torch.testing.assert_close(quantized.linear(x, None), copy.linear(x, None))
+
+
 def test_int4_refuses_what_its_layout_cannot_hold():
     with pytest.raises(ValueError, match="multiple of 16 output rows"):
         Int4Weight.from_groups(GroupQuantized.from_float(torch.randn(40, 64)))
     with pytest.raises(ValueError, match="uint8 codes"):
         codes = torch.zeros(16, 64, dtype=torch.int8)
         Int4Weight.from_groups(GroupQuantized(codes, torch.ones(16, 2), torch.zeros(16, 2)))
+
+
+@pytest.fixture(scope="module")
+def w8a8_kernel():
+    kernel = cpu_op("w8a8_linear")
+    if kernel is None:
+        pytest.skip("nanoserve's C++ CPU kernels are not built here (no compiler or ninja)")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])  # VNNI's path up to 8 rows, oneDNN's int8 GEMM above
+@pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail shorter than one 64-byte vector
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float32)])
+def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, inputs, dtype, scale_dtype):
+    """The same int8 codes and exact integer sums as w8a8_linear_ref (codes of -128 included: VNNI's operand)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
+    x[0] = 0  # an all-zero row: scale 0, no division by it
+    qweight = torch.randint(-128, 128, (200, inputs), dtype=torch.int8)
+    scales = (torch.rand(200) / 100).to(scale_dtype)
+    y = w8a8_kernel(x, qweight, scales)
+    assert y.dtype == dtype and y.shape == (rows, 200)
+    tolerance = 1e-6 if dtype == torch.float32 else BF16_EPS
+    torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales), rtol=tolerance, atol=1e-6)
+
+
+def test_rows_quantize_within_half_their_step():
+    torch.manual_seed(0)
+    x = torch.randn(6, 300) * torch.tensor([1e-3, 1, 50, 0, 7, 1e4])[:, None]
+    codes, scale = quantize_rows_ref(x)
+    assert codes.dtype == torch.int8 and scale.shape == (6,)
+    assert ((codes.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-5) + 1e-30).all()
+    assert codes.abs().amax(dim=1).tolist() == [127, 127, 127, 0, 127, 127]
+
+
+def test_w8a8_reference_is_the_dequantized_product_within_the_activations_step():
+    torch.manual_seed(0)
+    quantized = Int8Weight.from_float(torch.randn(96, 128))
+    x = torch.randn(4, 128)
+    y = w8a8_linear_ref(x, quantized.qweight, quantized.scales)
+    codes, scale = quantize_rows_ref(x)
+    torch.testing.assert_close(y, F.linear(codes.float() * scale[:, None], quantized.dequantize()))
+    assert_linear_within(y, x, quantized.dequantize(), torch.zeros(96, 128), activation_error(x, True))
+
+
+def test_without_int8_dot_products_the_weight_only_kernels_run(monkeypatch):
+    """An AVX2-only CPU (here: ATEN_CPU_CAPABILITY's cap) has no VNNI: int8 weights run torch's weight-only kernel
+    with bfloat16 activations, and 4-bit weights keep no int8 copy."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not int8_dot_products()
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 128), torch.randn(9, 128)
+    int8, int4 = Int8Weight.from_float(weight), Int4Weight.from_groups(GroupQuantized.from_float(weight))
+    assert not int8.w8a8 and int4.many_rows is None
+    expected = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), int8.qweight, int8.scales).float()
+    torch.testing.assert_close(int8.linear(x, None), expected)
+    assert_linear_within(int4.linear(x, None), x, int4_reference(int4, GroupQuantized.from_float(weight).codes),
+                         torch.zeros_like(weight))
+
+
+def test_a_layer_the_int8_kernel_cannot_take_stays_float():
+    """torch's _weight_int8pack_mm crashes (SIGSEGV) on in_features not a multiple of 16: such a layer keeps its
+    float weight, the summary says why, and it computes F.linear."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"odd": ColumnParallelLinear(40, 32), "even": ColumnParallelLinear(64, 32)})
+    weights = {name: layer.weight.data.normal_().clone() for name, layer in model.items()}
+    summary = quantize_weights(model, "int8", torch.float32)
+    assert summary == f"float: 1, int8: 1; {INT8_INPUTS_REASON}"
+    pack_cpu_weights(model)
+    assert isinstance(model["even"].packed_weight, Int8Weight)
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(model["odd"](x), F.linear(x, weights["odd"]))
 
 
 def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -106,12 +221,12 @@ def test_gguf_blocks_keep_their_codes_and_run_within_the_format(qtype):
     reference = torch.from_numpy(gguf.dequantize(blocks, qtype).reshape(rows, cols))
     groups = GroupQuantized(*(torch.from_numpy(a) for a in group_quantized(GGUFTensor(blocks, qtype)).values()))
     assert torch.equal(groups.dequantize(), reference)  # codes, scales and mins kept exactly
-    x = torch.randn(5, cols)
+    x = torch.randn(INT4_MAX_ROWS, cols)
     if qtype == T.Q8_0:  # per-block scales become one per row: requantized, within half the row's step
         quantized = Int8Weight.from_float(groups.dequantize())
         step = quantized.scales.float()[:, None].expand(rows, cols)
         assert ((quantized.dequantize() - reference).abs() <= step / 2 * (1 + 1e-6)).all()
-        assert_linear_within(quantized.linear(x, None), x, reference, step / 2)
+        assert_linear_within(quantized.linear(x, None), x, reference, step / 2, activation_error(x, quantized.w8a8))
     else:  # the codes as they are; the scale and zero rounded to bfloat16
         quantized = Int4Weight.from_groups(groups)
         error = BF16_EPS * (15 * groups.scale.abs() + (groups.offset + 8 * groups.scale).abs())

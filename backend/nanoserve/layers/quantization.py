@@ -1,9 +1,15 @@
-"""Weight-only quantized weights for the linear layers. On the CPU, run by torch's CPU kernels
-(client/bench_quant.py measured them against oneDNN's packed float32 and bfloat16; docs/benchmarks.md):
+"""Quantized weights for the linear layers. On the CPU (client/bench_quant.py measured the kernels against oneDNN's
+packed float32 and bfloat16; docs/benchmarks.md):
 
-- int8: one scale per output channel, w = q * scale (q in [-127, 127]); `aten._weight_int8pack_mm`.
+- int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the CPU has int8 dot products
+  (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products), W8A8: each row of the activations is quantized to int8 with
+  its own scale, as vLLM's W8A8 and llama.cpp's Q8 activations are, and cpu_ops.cpp's w8a8_linear multiplies the
+  int8 codes (VNNI for a few rows, oneDNN's int8 GEMM for more). Elsewhere, weight-only:
+  `aten._weight_int8pack_mm`, which needs in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
   `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
+  That kernel reads the weight once per row of the activations: from INT4_MAX_ROWS + 1 rows on, where W8A8 runs,
+  a 4-bit weight computes with an int8 copy of itself (requantized per output channel) instead.
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
 from nanoserve.kernels.reference import dequantize_int4_groups, int4_group_matmul_ref, int8_matmul_ref, pack_int4
 from nanoserve.layers.activation import cuda_op
 
@@ -30,6 +37,8 @@ QUANTIZATIONS = ("int8", "int4")
 QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tensors: "<weight name>.<part>"
 GROUP_SIZE = 32  # inputs per int4 group: llama.cpp's block size, and a divisor of every hidden size we serve
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel's layout packs 16 output rows together
+INT8_INPUTS_MULTIPLE = 16  # aten._weight_int8pack_mm crashes (SIGSEGV) on other in_features
+INT4_MAX_ROWS = 3  # the most rows the int4 kernel runs; more run W8A8 (measured: client/bench_quant.py)
 KERNEL_DTYPE = torch.bfloat16
 TINY = torch.finfo(KERNEL_DTYPE).tiny
 
@@ -67,6 +76,12 @@ class GroupQuantized:
         return cls(codes.reshape(weight.shape).to(torch.uint8), scale, low)
 
 
+def runs_w8a8(weight: torch.Tensor) -> bool:
+    """Whether an int8 weight on this device computes with int8 activations (W8A8): on a CPU with int8 dot
+    products, where the C++ kernels are built."""
+    return weight.is_cpu and int8_dot_products() and cpu_op("w8a8_linear") is not None
+
+
 def runs_triton(weight: torch.Tensor) -> bool:
     """Whether a weight's matmul is a Triton kernel: on CUDA. (Tests send CPU tensors there, in the interpreter.)"""
     return weight.is_cuda
@@ -86,6 +101,7 @@ class Int8Weight:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         self.qweight, self.scales = qweight, scales
+        self.w8a8 = runs_w8a8(qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
@@ -98,6 +114,8 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if runs_triton(self.qweight):
             y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
+        elif self.w8a8:
+            y = cpu_op("w8a8_linear")(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
@@ -117,15 +135,18 @@ class Int8Weight:
 
 
 class Int4Weight:
-    """A 4-bit weight [N, K] in the int4 kernel's packed layout, with its groups' scales and offsets."""
+    """A 4-bit weight [N, K] in the int4 kernel's packed layout, with its groups' scales and offsets, and where
+    W8A8 runs, the int8 copy that computes more than INT4_MAX_ROWS rows."""
     name = "int4"
 
-    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group: int):
-        self.packed, self.scale_and_zero, self.group = packed, scale_and_zero, group
+    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
+                 many_rows: Int8Weight | None = None):
+        self.packed, self.scale_and_zero, self.group, self.many_rows = packed, scale_and_zero, group, many_rows
 
     @classmethod
     def from_groups(cls, groups: GroupQuantized) -> Int4Weight:
-        """ValueError where the layout cannot hold the weight: codes not uint8 in [0, 15], or a shape it lacks."""
+        """ValueError where the layout cannot hold the weight: codes not uint8 in [0, 15], or a shape it lacks.
+        The int8 copy is made where W8A8 runs."""
         rows, cols = groups.codes.shape
         if rows % INT4_ROWS_MULTIPLE or cols % 2:
             raise ValueError(f"int4 weights need a multiple of {INT4_ROWS_MULTIPLE} output rows and an even number "
@@ -135,16 +156,20 @@ class Int4Weight:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32).contiguous(), 1)
         zero = groups.offset + 8 * groups.scale  # the kernel computes (q - 8) * scale + zero
         scale_and_zero = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-        return cls(packed, scale_and_zero, groups.group)
+        many_rows = Int8Weight.from_float(groups.dequantize()) if runs_w8a8(packed) else None
+        return cls(packed, scale_and_zero, groups.group, many_rows)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.many_rows is not None and x.shape[0] > INT4_MAX_ROWS:
+            return self.many_rows.linear(x, bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, self.group,
                                                        self.scale_and_zero).to(x.dtype)
         return y if bias is None else y + bias
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_and_zero.nbytes
+        copy = 0 if self.many_rows is None else self.many_rows.nbytes
+        return self.packed.nbytes + self.scale_and_zero.nbytes + copy
 
 
 class PackedInt4Weight:
