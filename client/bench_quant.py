@@ -5,9 +5,12 @@
 A step's linears: --layers decoder layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536],
 each layer's weights its own (as in the model: what one step reads does not sit in a cache), then the LM head
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
-and int4 CPU kernels (with float32 and with bfloat16 activations), and oneDNN/fbgemm's dynamic int8 linear (the
-activations quantized per call: what `torch.ao` reaches of oneDNN's int8). The formats alternate, --rounds times;
-each line is the median step time and its ratio to packed float32.
+and int4 CPU kernels (with float32 and with bfloat16 activations), W8A8 (int8 weights, each activation row
+quantized to int8 with its own scale: cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for
+more), nanoserve's 4-bit format (the int4 kernel up to INT4_MAX_ROWS rows, W8A8 on an int8 copy above, where the
+CPU has VNNI), and oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao`
+reaches of oneDNN's int8). The formats alternate, --rounds times; each line is the median step time and its ratio
+to packed float32.
 
 Times are the CPU time of the (one, by default) thread that runs the step, not wall time: on a machine whose
 cores other processes share, wall time measures their load as much as the kernels.
@@ -21,8 +24,9 @@ import time
 import torch
 
 import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
+from nanoserve.kernels.cpu_ops import cpu_op
 from nanoserve.layers.linear import linear, pack_weight
-from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.layers.quantization import KERNEL_DTYPE, GroupQuantized, Int4Weight, Int8Weight
 
 HIDDEN, INTERMEDIATE, VOCAB, QKV = 576, 1536, 49152, 960
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -51,11 +55,26 @@ def float_matmul(dtype):
 
 
 def int8_matmul(weight):
+    """torch's int8 weight-only kernel, with bfloat16 activations (Int8Weight's path where W8A8 does not run)."""
     quantized = Int8Weight.from_float(weight)
-    return lambda x: quantized.linear(x, None)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), quantized.qweight,
+                                                        quantized.scales).float()
 
 
 def int4_matmul(weight):
+    """torch's int4 weight-only kernel, with bfloat16 activations, at every row count."""
+    quantized = Int4Weight.from_groups(GroupQuantized.from_float(weight))
+    quantized.many_rows = None
+    return lambda x: quantized.linear(x, None)
+
+
+def w8a8_matmul(weight):
+    quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
+    return lambda x: kernel(x, quantized.qweight, quantized.scales)
+
+
+def four_bit_matmul(weight):
+    """Int4Weight as nanoserve runs it: the int4 kernel for few rows, its int8 copy's W8A8 for more."""
     quantized = Int4Weight.from_groups(GroupQuantized.from_float(weight))
     return lambda x: quantized.linear(x, None)
 
@@ -72,9 +91,11 @@ FORMATS = {
     "float32 oneDNN packed": float_matmul(torch.float32),
     "bfloat16 oneDNN packed": float_matmul(torch.bfloat16),
     "int8 weight-only, fp32 activations": raw_int8_matmul,
-    "int8 weight-only, bf16 activations (Int8Weight)": int8_matmul,
+    "int8 weight-only, bf16 activations": int8_matmul,
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
-    "int4 weight-only, group 32, bf16 activations (Int4Weight)": int4_matmul,
+    "int4 weight-only, group 32, bf16 activations": int4_matmul,
+    "W8A8, per-row int8 activations (w8a8_linear)": w8a8_matmul,
+    "4-bit as nanoserve runs it (Int4Weight: int4, or its int8 copy's W8A8)": four_bit_matmul,
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,
 }
 
