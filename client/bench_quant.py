@@ -5,12 +5,12 @@
 A step's linears: --layers decoder layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536],
 each layer's weights its own (as in the model: what one step reads does not sit in a cache), then the LM head
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
-and int4 CPU kernels (with float32 and with bfloat16 activations), W8A8 (int8 weights, each activation row
-quantized to int8 with its own scale: cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for
-more), nanoserve's 4-bit format (the int4 kernel up to INT4_MAX_ROWS rows, W8A8 on an int8 copy above, where the
-CPU has VNNI), and oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao`
-reaches of oneDNN's int8). The formats alternate, --rounds times; each line is the median step time and its ratio
-to packed float32.
+and int4 CPU kernels (with float32 and with bfloat16 activations), int8 weights with each activation row
+quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
+int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
+oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
+oneDNN's int8). The formats alternate, --rounds times; each line is the median step time and its ratio to packed
+float32.
 
 Times are the CPU time of the (one, by default) thread that runs the step, not wall time: on a machine whose
 cores other processes share, wall time measures their load as much as the kernels.
@@ -55,28 +55,22 @@ def float_matmul(dtype):
 
 
 def int8_matmul(weight):
-    """torch's int8 weight-only kernel, with bfloat16 activations (Int8Weight's path where W8A8 does not run)."""
+    """torch's int8 weight-only kernel, with bfloat16 activations (Int8Weight's path on CPUs without VNNI)."""
     quantized = Int8Weight.from_float(weight)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), quantized.qweight,
                                                         quantized.scales).float()
 
 
 def int4_matmul(weight):
-    """torch's int4 weight-only kernel, with bfloat16 activations, at every row count."""
-    quantized = Int4Weight.from_groups(GroupQuantized.from_float(weight))
-    quantized.many_rows = None
-    return lambda x: quantized.linear(x, None)
-
-
-def w8a8_matmul(weight):
-    quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
-    return lambda x: kernel(x, quantized.qweight, quantized.scales)
-
-
-def four_bit_matmul(weight):
-    """Int4Weight as nanoserve runs it: the int4 kernel for few rows, its int8 copy's W8A8 for more."""
     quantized = Int4Weight.from_groups(GroupQuantized.from_float(weight))
     return lambda x: quantized.linear(x, None)
+
+
+def w8a_matmul(digits: int):
+    def make(weight):
+        quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
+        return lambda x: kernel(x, quantized.qweight, quantized.scales, digits)
+    return make
 
 
 def dynamic_int8_matmul(weight):
@@ -94,8 +88,8 @@ FORMATS = {
     "int8 weight-only, bf16 activations": int8_matmul,
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
     "int4 weight-only, group 32, bf16 activations": int4_matmul,
-    "W8A8, per-row int8 activations (w8a8_linear)": w8a8_matmul,
-    "4-bit as nanoserve runs it (Int4Weight: int4, or its int8 copy's W8A8)": four_bit_matmul,
+    "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
+    "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,
 }
 

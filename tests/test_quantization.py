@@ -17,8 +17,8 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import quantize_rows_ref, w8a8_linear_ref
-from nanoserve.layers.quantization import INT4_MAX_ROWS, GroupQuantized, Int4Weight, Int8Weight, runs_w8a8
+from nanoserve.kernels.reference import TOP_CODE, quantize_rows_ref, split_digits, w8a8_linear_ref
+from nanoserve.layers.quantization import ACTIVATION_DIGITS, GroupQuantized, Int4Weight, Int8Weight, runs_w8a8
 from nanoserve.models.gguf import group_quantized
 from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
 
@@ -35,11 +35,12 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def activation_error(x: torch.Tensor, w8a8: bool) -> torch.Tensor | None:
-    """How far int8 activations (W8A8) may be from bf16(x): half their row's step, and x's bfloat16 rounding."""
+def activation_error(x: torch.Tensor, w8a8: bool, digits: int = ACTIVATION_DIGITS) -> torch.Tensor | None:
+    """How far quantized activations (w8a8_linear) may be from bf16(x): half their row's step, and x's bfloat16
+    rounding."""
     if not w8a8:
         return None
-    _, row_scale = quantize_rows_ref(x)
+    _, row_scale = quantize_rows_ref(x, digits)
     return row_scale[:, None] / 2 + BF16_EPS * x.float().abs()
 
 
@@ -82,9 +83,8 @@ def test_int8_linear_matches_its_dequantized_weight(shape, dtype):
 @pytest.mark.parametrize("shape", [(48, 64), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_matches_its_dequantized_weight(shape, dtype):
-    """Up to INT4_MAX_ROWS rows by the int4 kernel (more, where W8A8 runs: the int8 copy's test below)."""
     torch.manual_seed(0)
-    weight, x = torch.randn(shape), torch.randn(INT4_MAX_ROWS, shape[1], dtype=dtype)
+    weight, x = torch.randn(shape), torch.randn(7, shape[1], dtype=dtype)
     groups = GroupQuantized.from_float(weight)
     assert groups.group == 32 and groups.codes.dtype == torch.uint8 and int(groups.codes.max()) <= 15
     step = groups.scale.repeat_interleave(32, 1)
@@ -97,29 +97,6 @@ def test_int4_linear_matches_its_dequantized_weight(shape, dtype):
     zero_error = BF16_EPS * (groups.offset + 8 * groups.scale).abs().repeat_interleave(32, 1)
     assert ((held - groups.dequantize()).abs() <= zero_error).all()
     assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(weight))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_runs_more_rows_on_its_int8_copy(dtype):
-    """Where W8A8 runs, a 4-bit weight holds an int8 copy of itself (per output channel, requantized from the
-    dequantized groups) for more than INT4_MAX_ROWS rows; elsewhere every row count runs the int4 kernel."""
-    torch.manual_seed(0)
-    weight = torch.randn(960, 576)
-    groups = GroupQuantized.from_float(weight)
-    quantized = Int4Weight.from_groups(groups)
-    x = torch.randn(INT4_MAX_ROWS + 5, 576, dtype=dtype)
-    copy = quantized.many_rows
-    if copy is None:
-        assert not runs_w8a8(quantized.packed)
-        assert_linear_within(quantized.linear(x, None), x, int4_reference(quantized, groups.codes),
-                             torch.zeros_like(weight))
-        return
-    step = copy.scales.float()[:, None].expand_as(weight)
-    assert ((copy.dequantize() - groups.dequantize()).abs() <= step / 2 * (1 + 1e-6)).all()
-    assert quantized.nbytes == quantized.packed.nbytes + quantized.scale_and_zero.nbytes + copy.nbytes
-    assert_linear_within(quantized.linear(x, None), x, copy.dequantize(), torch.zeros_like(weight),
-                         activation_error(x, True))
-    torch.testing.assert_close(quantized.linear(x, None), copy.linear(x, None))
 
 
 def test_int4_refuses_what_its_layout_cannot_hold():
@@ -138,55 +115,66 @@ def w8a8_kernel():
     return kernel
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 64])  # VNNI's path up to 8 rows, oneDNN's int8 GEMM above
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16, 17, 64])  # VNNI's path up to 16 code rows, oneDNN's above
+@pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail shorter than one 64-byte vector
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32)])
-def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, inputs, dtype, scale_dtype):
-    """The same int8 codes and exact integer sums as w8a8_linear_ref (codes of -128 included: VNNI's operand)."""
+def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, digits, inputs, dtype, scale_dtype):
+    """The same integer codes and exact integer sums as w8a8_linear_ref (weight codes of -128 included: VNNI's
+    signed operand)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
     x[0] = 0  # an all-zero row: scale 0, no division by it
-    qweight = torch.randint(-128, 128, (200, inputs), dtype=torch.int8)
-    scales = (torch.rand(200) / 100).to(scale_dtype)
-    y = w8a8_kernel(x, qweight, scales)
-    assert y.dtype == dtype and y.shape == (rows, 200)
+    x[-1, :3] = torch.tensor([1e4, -1e4, 1e-3])  # an outlier row: codes of both extremes
+    qweight = torch.randint(-128, 128, (203, inputs), dtype=torch.int8)  # 203: VNNI's blocks of 4 and 3 more
+    scales = (torch.rand(203) / 100).to(scale_dtype)
+    y = w8a8_kernel(x, qweight, scales, digits)
+    assert y.dtype == dtype and y.shape == (rows, 203)
     tolerance = 1e-6 if dtype == torch.float32 else BF16_EPS
-    torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales), rtol=tolerance, atol=1e-6)
+    torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales, digits), rtol=tolerance, atol=1e-6)
 
 
-def test_rows_quantize_within_half_their_step():
+@pytest.mark.parametrize("digits", [1, 2])
+def test_rows_quantize_within_half_their_step(digits):
     torch.manual_seed(0)
     x = torch.randn(6, 300) * torch.tensor([1e-3, 1, 50, 0, 7, 1e4])[:, None]
-    codes, scale = quantize_rows_ref(x)
-    assert codes.dtype == torch.int8 and scale.shape == (6,)
+    codes, scale = quantize_rows_ref(x, digits)
+    assert scale.shape == (6,)
     assert ((codes.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-5) + 1e-30).all()
-    assert codes.abs().amax(dim=1).tolist() == [127, 127, 127, 0, 127, 127]
+    top = TOP_CODE[digits]
+    assert codes.int().abs().amax(dim=1).tolist() == [top, top, top, 0, top, top]
+
+
+def test_int16_codes_split_into_two_int8_digits():
+    codes = torch.arange(-TOP_CODE[2], TOP_CODE[2] + 1, dtype=torch.int16)
+    hi, lo = split_digits(codes)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(hi.int() * 256 + lo.int(), codes.int())
 
 
 def test_w8a8_reference_is_the_dequantized_product_within_the_activations_step():
     torch.manual_seed(0)
     quantized = Int8Weight.from_float(torch.randn(96, 128))
     x = torch.randn(4, 128)
-    y = w8a8_linear_ref(x, quantized.qweight, quantized.scales)
-    codes, scale = quantize_rows_ref(x)
-    torch.testing.assert_close(y, F.linear(codes.float() * scale[:, None], quantized.dequantize()))
-    assert_linear_within(y, x, quantized.dequantize(), torch.zeros(96, 128), activation_error(x, True))
+    for digits in (1, 2):
+        y = w8a8_linear_ref(x, quantized.qweight, quantized.scales, digits)
+        codes, scale = quantize_rows_ref(x, digits)
+        torch.testing.assert_close(y, F.linear(codes.float() * scale[:, None], quantized.dequantize()))
+        assert_linear_within(y, x, quantized.dequantize(), torch.zeros(96, 128), activation_error(x, True, digits))
 
 
 def test_without_int8_dot_products_the_weight_only_kernels_run(monkeypatch):
     """An AVX2-only CPU (here: ATEN_CPU_CAPABILITY's cap) has no VNNI: int8 weights run torch's weight-only kernel
-    with bfloat16 activations, and 4-bit weights keep no int8 copy."""
+    with bfloat16 activations."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert not int8_dot_products()
     torch.manual_seed(0)
     weight, x = torch.randn(64, 128), torch.randn(9, 128)
-    int8, int4 = Int8Weight.from_float(weight), Int4Weight.from_groups(GroupQuantized.from_float(weight))
-    assert not int8.w8a8 and int4.many_rows is None
+    int8 = Int8Weight.from_float(weight)
+    assert not int8.w8a8
     expected = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), int8.qweight, int8.scales).float()
     torch.testing.assert_close(int8.linear(x, None), expected)
-    assert_linear_within(int4.linear(x, None), x, int4_reference(int4, GroupQuantized.from_float(weight).codes),
-                         torch.zeros_like(weight))
 
 
 def test_a_layer_the_int8_kernel_cannot_take_stays_float():
@@ -221,7 +209,7 @@ def test_gguf_blocks_keep_their_codes_and_run_within_the_format(qtype):
     reference = torch.from_numpy(gguf.dequantize(blocks, qtype).reshape(rows, cols))
     groups = GroupQuantized(*(torch.from_numpy(a) for a in group_quantized(GGUFTensor(blocks, qtype)).values()))
     assert torch.equal(groups.dequantize(), reference)  # codes, scales and mins kept exactly
-    x = torch.randn(INT4_MAX_ROWS, cols)
+    x = torch.randn(5, cols)
     if qtype == T.Q8_0:  # per-block scales become one per row: requantized, within half the row's step
         quantized = Int8Weight.from_float(groups.dequantize())
         step = quantized.scales.float()[:, None].expand(rows, cols)

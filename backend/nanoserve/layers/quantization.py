@@ -2,14 +2,18 @@
 packed float32 and bfloat16; docs/benchmarks.md):
 
 - int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the CPU has int8 dot products
-  (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products), W8A8: each row of the activations is quantized to int8 with
-  its own scale, as vLLM's W8A8 and llama.cpp's Q8 activations are, and cpu_ops.cpp's w8a8_linear multiplies the
-  int8 codes (VNNI for a few rows, oneDNN's int8 GEMM for more). Elsewhere, weight-only:
+  (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products), the activations are quantized too, each row (token) with its
+  own scale, and cpu_ops.cpp's w8a8_linear multiplies integer codes (VNNI for a few rows, oneDNN's int8 GEMM for
+  more). The codes are int16 (ACTIVATION_DIGITS = 2), each the two int8 digits of c = 256 hi + lo, so one int8
+  GEMM of twice the rows computes them: with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a
+  row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
+  against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, weight-only:
   `aten._weight_int8pack_mm`, which needs in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
   `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
-  That kernel reads the weight once per row of the activations: from INT4_MAX_ROWS + 1 rows on, where W8A8 runs,
-  a 4-bit weight computes with an int8 copy of itself (requantized per output channel) instead.
+  That kernel reads the weight once per row of the activations (it falls behind float32 from ~16 rows), but an
+  int8 copy for many rows (requantized per output channel) is not kept: it costs 16% of float32's bytes more and,
+  unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement fell from 8/10 prompts to 4/10).
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
@@ -38,7 +42,7 @@ QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tens
 GROUP_SIZE = 32  # inputs per int4 group: llama.cpp's block size, and a divisor of every hidden size we serve
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel's layout packs 16 output rows together
 INT8_INPUTS_MULTIPLE = 16  # aten._weight_int8pack_mm crashes (SIGSEGV) on other in_features
-INT4_MAX_ROWS = 3  # the most rows the int4 kernel runs; more run W8A8 (measured: client/bench_quant.py)
+ACTIVATION_DIGITS = 2  # int8 digits per activation code: int16 codes (int8 ones lose too much on real models)
 KERNEL_DTYPE = torch.bfloat16
 TINY = torch.finfo(KERNEL_DTYPE).tiny
 
@@ -77,8 +81,8 @@ class GroupQuantized:
 
 
 def runs_w8a8(weight: torch.Tensor) -> bool:
-    """Whether an int8 weight on this device computes with int8 activations (W8A8): on a CPU with int8 dot
-    products, where the C++ kernels are built."""
+    """Whether an int8 weight on this device computes with quantized activations (w8a8_linear): on a CPU with
+    int8 dot products, where the C++ kernels are built."""
     return weight.is_cpu and int8_dot_products() and cpu_op("w8a8_linear") is not None
 
 
@@ -115,7 +119,7 @@ class Int8Weight:
         if runs_triton(self.qweight):
             y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
         elif self.w8a8:
-            y = cpu_op("w8a8_linear")(x, self.qweight, self.scales)
+            y = cpu_op("w8a8_linear")(x, self.qweight, self.scales, ACTIVATION_DIGITS)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
@@ -135,18 +139,15 @@ class Int8Weight:
 
 
 class Int4Weight:
-    """A 4-bit weight [N, K] in the int4 kernel's packed layout, with its groups' scales and offsets, and where
-    W8A8 runs, the int8 copy that computes more than INT4_MAX_ROWS rows."""
+    """A 4-bit weight [N, K] in the int4 kernel's packed layout, with its groups' scales and offsets."""
     name = "int4"
 
-    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group: int,
-                 many_rows: Int8Weight | None = None):
-        self.packed, self.scale_and_zero, self.group, self.many_rows = packed, scale_and_zero, group, many_rows
+    def __init__(self, packed: torch.Tensor, scale_and_zero: torch.Tensor, group: int):
+        self.packed, self.scale_and_zero, self.group = packed, scale_and_zero, group
 
     @classmethod
     def from_groups(cls, groups: GroupQuantized) -> Int4Weight:
-        """ValueError where the layout cannot hold the weight: codes not uint8 in [0, 15], or a shape it lacks.
-        The int8 copy is made where W8A8 runs."""
+        """ValueError where the layout cannot hold the weight: codes not uint8 in [0, 15], or a shape it lacks."""
         rows, cols = groups.codes.shape
         if rows % INT4_ROWS_MULTIPLE or cols % 2:
             raise ValueError(f"int4 weights need a multiple of {INT4_ROWS_MULTIPLE} output rows and an even number "
@@ -156,20 +157,16 @@ class Int4Weight:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32).contiguous(), 1)
         zero = groups.offset + 8 * groups.scale  # the kernel computes (q - 8) * scale + zero
         scale_and_zero = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
-        many_rows = Int8Weight.from_float(groups.dequantize()) if runs_w8a8(packed) else None
-        return cls(packed, scale_and_zero, groups.group, many_rows)
+        return cls(packed, scale_and_zero, groups.group)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.many_rows is not None and x.shape[0] > INT4_MAX_ROWS:
-            return self.many_rows.linear(x, bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE), self.packed, self.group,
                                                        self.scale_and_zero).to(x.dtype)
         return y if bias is None else y + bias
 
     @property
     def nbytes(self) -> int:
-        copy = 0 if self.many_rows is None else self.many_rows.nbytes
-        return self.packed.nbytes + self.scale_and_zero.nbytes + copy
+        return self.packed.nbytes + self.scale_and_zero.nbytes
 
 
 class PackedInt4Weight:
