@@ -417,7 +417,7 @@ void scale_row(T* out, const int32_t* hi, const int32_t* lo, float row_scale, co
 // products, so a call reads the weight once, as a matrix-vector product must; oneDNN's int8 GEMM (at::_int_mm)
 // repacks the weight on every call, which only many rows amortize. The unsigned operand is x's codes + 128:
 // sum (c + 128) w = sum c w + 128 sum w. Four output channels go together, so that their sums reduce together.
-constexpr int64_t kVnniMaxRows = 16;
+constexpr int64_t kVnniMaxRows = 8;  // more: oneDNN's GEMM is faster (client/bench_quant.py)
 constexpr int64_t kChannels = 4;  // output channels per block
 constexpr int64_t kRows = 4;      // rows of x per block (4 x 4 accumulators, 4 weight vectors: 21 of 32 registers)
 
