@@ -13,7 +13,7 @@ packed float32 and bfloat16; docs/benchmarks.md):
   `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
   That kernel reads the weight once per row of the activations (it falls behind float32 from ~16 rows), but an
   int8 copy for many rows (requantized per output channel) is not kept: it costs 16% of float32's bytes more and,
-  unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement fell from 8/10 prompts to 4/10).
+  unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement fell from 9/10 prompts to 4/10).
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
