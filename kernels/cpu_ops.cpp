@@ -510,7 +510,8 @@ void vnni_int_mm(int32_t*, const uint8_t*, const int8_t*, int64_t, int64_t, int6
 // w8a8_linear_ref: each row of x [T, K] quantized with its own scale to `digits` int8 digits (1: int8, 2: int16
 // as two int8 halves), int8 x int8 -> int32 matmuls of the digits against qweight [N, K] (VNNI for a few rows,
 // oneDNN's GEMM through at::_int_mm for more: both read the plain weight), then y = the code's sums * row scale *
-// scales [N] (float32 or bfloat16), in x's dtype.
+// scales [N] (float32 or bfloat16), in x's dtype. Exact only where oneDNN has VNNI too: without it, its GEMM
+// saturates (layers/quantization.py's exact_int8_gemm gates the callers).
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
                        int64_t digits) {
   TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&

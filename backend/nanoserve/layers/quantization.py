@@ -28,6 +28,7 @@ groups' float32 scales and offsets as GroupQuantized holds them, so w = q * scal
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -82,8 +83,16 @@ class GroupQuantized:
 
 def runs_w8a8(weight: torch.Tensor) -> bool:
     """Whether an int8 weight on this device computes with quantized activations (w8a8_linear): on a CPU with
-    int8 dot products, where the C++ kernels are built."""
-    return weight.is_cpu and int8_dot_products() and cpu_op("w8a8_linear") is not None
+    int8 dot products whose int8 GEMM is exact, where the C++ kernels are built."""
+    return weight.is_cpu and int8_dot_products() and exact_int8_gemm() and cpu_op("w8a8_linear") is not None
+
+
+@functools.cache
+def exact_int8_gemm() -> bool:
+    """Whether torch._int_mm (oneDNN's int8 GEMM) sums exactly here. Without VNNI (an AVX2 CPU, or oneDNN capped
+    by ONEDNN_MAX_CPU_ISA) it multiplies pairs into saturating int16s (pmaddubsw): 127 * 127 sums come out wrong."""
+    codes = torch.full((17, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(codes, codes.t()) == 64 * 127 * 127).all())
 
 
 def runs_triton(weight: torch.Tensor) -> bool:
