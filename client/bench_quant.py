@@ -5,9 +5,12 @@
 A step's linears: --layers decoder layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536],
 each layer's weights its own (as in the model: what one step reads does not sit in a cache), then the LM head
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
-and int4 CPU kernels (with float32 and with bfloat16 activations), and oneDNN/fbgemm's dynamic int8 linear (the
-activations quantized per call: what `torch.ao` reaches of oneDNN's int8). The formats alternate, --rounds times;
-each line is the median step time and its ratio to packed float32.
+and int4 CPU kernels (with float32 and with bfloat16 activations), int8 weights with each activation row
+quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
+int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
+oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
+oneDNN's int8). The formats alternate, --rounds times; each line is the median step time and its ratio to packed
+float32.
 
 Times are the CPU time of the (one, by default) thread that runs the step, not wall time: on a machine whose
 cores other processes share, wall time measures their load as much as the kernels.
@@ -21,8 +24,9 @@ import time
 import torch
 
 import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
+from nanoserve.kernels.cpu_ops import cpu_op
 from nanoserve.layers.linear import linear, pack_weight
-from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.layers.quantization import KERNEL_DTYPE, GroupQuantized, Int4Weight, Int8Weight
 
 HIDDEN, INTERMEDIATE, VOCAB, QKV = 576, 1536, 49152, 960
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -51,13 +55,22 @@ def float_matmul(dtype):
 
 
 def int8_matmul(weight):
+    """torch's int8 weight-only kernel, with bfloat16 activations (Int8Weight's path on CPUs without VNNI)."""
     quantized = Int8Weight.from_float(weight)
-    return lambda x: quantized.linear(x, None)
+    return lambda x: torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), quantized.qweight,
+                                                        quantized.scales).float()
 
 
 def int4_matmul(weight):
     quantized = Int4Weight.from_groups(GroupQuantized.from_float(weight))
     return lambda x: quantized.linear(x, None)
+
+
+def w8a_matmul(digits: int):
+    def make(weight):
+        quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
+        return lambda x: kernel(x, quantized.qweight, quantized.scales, digits)
+    return make
 
 
 def dynamic_int8_matmul(weight):
@@ -72,9 +85,11 @@ FORMATS = {
     "float32 oneDNN packed": float_matmul(torch.float32),
     "bfloat16 oneDNN packed": float_matmul(torch.bfloat16),
     "int8 weight-only, fp32 activations": raw_int8_matmul,
-    "int8 weight-only, bf16 activations (Int8Weight)": int8_matmul,
+    "int8 weight-only, bf16 activations": int8_matmul,
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
-    "int4 weight-only, group 32, bf16 activations (Int4Weight)": int4_matmul,
+    "int4 weight-only, group 32, bf16 activations": int4_matmul,
+    "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
+    "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,
 }
 

@@ -373,6 +373,189 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   return out;
 }
 
+// Activations as int8 digits: one, c = round(x * 127 / max |x|), or two, an int16 code c = round(x * kTop2 / max |x|)
+// split into c = 256 hi + lo, hi and lo in [-128, 127], so that int8 GEMMs multiply them (quantize_rows_ref).
+constexpr int kTop2 = 127 * 256 + 127;  // the largest two-digit code whose hi = floor((c + 128) / 256) is <= 127
+
+// One row of x [k] as its digits (hi, and lo where digits == 2), each stored as digit + Offset; returns the row's
+// scale, max |x| / the largest code.
+template <int Offset, typename C, typename T>
+float quantize_row(C* hi, C* lo, const T* x, float* buf, int64_t k, int64_t digits) {
+  const float* xr = as_float(x, buf, k);
+  float top = 0.f;
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::abs(xr[i]));
+  const float top_code = digits == 1 ? 127.f : static_cast<float>(kTop2);
+  const float inv = top > 0.f ? top_code / top : 0.f;
+  // at::vec's round (to nearest even, one instruction), which -ffast-math leaves as it is
+  float rounded[kWidth];
+  for (int64_t i = 0; i < k; i += kWidth) {
+    const int64_t count = std::min(kWidth, k - i);
+    (Vec::loadu(xr + i, count) * Vec(inv)).round().store(rounded, count);
+    for (int64_t j = 0; j < count; ++j) {
+      const int code = static_cast<int>(rounded[j]);
+      const int high = digits == 1 ? code : (code + 128) >> 8;  // an arithmetic shift: floor
+      hi[i + j] = static_cast<C>(high + Offset);
+      if (digits == 2) lo[i + j] = static_cast<C>(code - (high << 8) + Offset);
+    }
+  }
+  return top / top_code;
+}
+
+// out[j] = (the row's code . w[j]) * row_scale * scales[j], in out's dtype: the code's sums are hi's, or
+// 256 hi's + lo's (lo: nullptr for one digit)
+template <typename T, typename S>
+void scale_row(T* out, const int32_t* hi, const int32_t* lo, float row_scale, const S* scales, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t sum = lo == nullptr ? hi[j] : int64_t(hi[j]) * 256 + lo[j];
+    out[j] = static_cast<T>(static_cast<float>(sum) * row_scale * static_cast<float>(scales[j]));
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Few rows: each 64 bytes of a weight row are loaded once and multiplied into every row of x by VNNI's u8 x s8 dot
+// products, so a call reads the weight once, as a matrix-vector product must; oneDNN's int8 GEMM (at::_int_mm)
+// repacks the weight on every call, which only many rows amortize. The unsigned operand is x's codes + 128:
+// sum (c + 128) w = sum c w + 128 sum w. Four output channels go together, so that their sums reduce together.
+constexpr int64_t kVnniMaxRows = 8;  // more: oneDNN's GEMM is faster (client/bench_quant.py)
+constexpr int64_t kChannels = 4;  // output channels per block
+constexpr int64_t kRows = 4;      // rows of x per block (4 x 4 accumulators, 4 weight vectors: 21 of 32 registers)
+
+inline __mmask64 first_bytes(int64_t count) { return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1; }
+
+// [sum of a's lanes, of b's, of c's, of d's]
+inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+
+// 128 * the sum of each of the kChannels weight rows from w
+inline __m128i channel_offsets(const int8_t* w, int64_t k) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[kChannels];
+  for (int64_t c = 0; c < kChannels; ++c) acc[c] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 64)
+    for (int64_t c = 0; c < kChannels; ++c)
+      acc[c] = _mm512_dpbusd_epi32(acc[c], ones, _mm512_maskz_loadu_epi8(first_bytes(k - i), w + c * k + i));
+  return _mm_slli_epi32(reduce4(acc[0], acc[1], acc[2], acc[3]), 7);
+}
+
+// sums[r * n + c] = (codes[r] - 128) . w[c] for the R rows of codes and the kChannels weight rows from w
+template <int64_t R>
+void vnni_block(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t k, int64_t n, __m128i offsets) {
+  __m512i acc[R][kChannels];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kChannels; ++c) acc[r][c] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 64) {
+    const __mmask64 mask = first_bytes(k - i);
+    __m512i wv[kChannels];
+    for (int64_t c = 0; c < kChannels; ++c) wv[c] = _mm512_maskz_loadu_epi8(mask, w + c * k + i);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(mask, codes + r * k + i);
+      for (int64_t c = 0; c < kChannels; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + r * n),
+                     _mm_sub_epi32(reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), offsets));
+}
+
+// one output channel's sums for every row (the channels after the last whole block)
+void vnni_channel(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t rows, int64_t k, int64_t n) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i wsum = _mm512_setzero_si512();
+  for (int64_t i = 0; i < k; i += 64)
+    wsum = _mm512_dpbusd_epi32(wsum, ones, _mm512_maskz_loadu_epi8(first_bytes(k - i), w + i));
+  const int32_t offset = 128 * _mm512_reduce_add_epi32(wsum);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t i = 0; i < k; i += 64) {
+      const __mmask64 mask = first_bytes(k - i);
+      acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(mask, codes + r * k + i),
+                                _mm512_maskz_loadu_epi8(mask, w + i));
+    }
+    sums[r * n] = _mm512_reduce_add_epi32(acc) - offset;
+  }
+}
+
+// sums [rows, n] = (codes - 128) [rows, k] @ w [n, k]^T, for rows <= kVnniMaxRows
+void vnni_int_mm(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t rows, int64_t k, int64_t n) {
+  const int64_t blocks = n / kChannels;
+  at::parallel_for(0, blocks, 16, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t j = b * kChannels;
+      const __m128i offsets = channel_offsets(w + j * k, k);
+      for (int64_t r = 0; r < rows; r += kRows) {
+        int32_t* out = sums + r * n + j;
+        const uint8_t* x = codes + r * k;
+        switch (std::min(kRows, rows - r)) {
+          case 1: vnni_block<1>(out, x, w + j * k, k, n, offsets); break;
+          case 2: vnni_block<2>(out, x, w + j * k, k, n, offsets); break;
+          case 3: vnni_block<3>(out, x, w + j * k, k, n, offsets); break;
+          default: vnni_block<4>(out, x, w + j * k, k, n, offsets);
+        }
+      }
+    }
+  });
+  for (int64_t j = blocks * kChannels; j < n; ++j) vnni_channel(sums + j, codes, w + j * k, rows, k, n);
+}
+#else
+constexpr int64_t kVnniMaxRows = 0;  // built without VNNI: oneDNN's GEMM for every row count
+void vnni_int_mm(int32_t*, const uint8_t*, const int8_t*, int64_t, int64_t, int64_t) {}
+#endif
+
+// w8a8_linear_ref: each row of x [T, K] quantized with its own scale to `digits` int8 digits (1: int8, 2: int16
+// as two int8 halves), int8 x int8 -> int32 matmuls of the digits against qweight [N, K] (VNNI for a few rows,
+// oneDNN's GEMM through at::_int_mm for more: both read the plain weight), then y = the code's sums * row scale *
+// scales [N] (float32 or bfloat16), in x's dtype. Exact only where oneDNN has VNNI too: without it, its GEMM
+// saturates (layers/quantization.py's exact_int8_gemm gates the callers).
+at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
+                       int64_t digits) {
+  TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&
+              qweight_in.size(1) == x_in.size(1) && scales_in.numel() == qweight_in.size(0) &&
+              (scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16),
+              "x: [T, K]; qweight: [N, K] int8; scales: [N] float32 or bfloat16");
+  TORCH_CHECK(digits == 1 || digits == 2, "digits: 1 or 2");
+  const auto x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), code_rows = digits * rows;
+  const bool few = code_rows <= kVnniMaxRows;
+  auto codes = at::empty({code_rows, k}, x.options().dtype(few ? at::kByte : at::kChar));
+  std::vector<float> row_scale(rows), buf(k);
+  DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* xr = x.data_ptr<scalar_t>() + r * k;
+      const int64_t hi = r * k, lo = (rows + r) * k;
+      row_scale[r] = few ? quantize_row<128>(codes.data_ptr<uint8_t>() + hi, codes.data_ptr<uint8_t>() + lo, xr,
+                                             buf.data(), k, digits)
+                         : quantize_row<0>(codes.data_ptr<int8_t>() + hi, codes.data_ptr<int8_t>() + lo, xr,
+                                           buf.data(), k, digits);
+    }
+  });
+  at::Tensor sums;
+  if (few) {
+    sums = at::empty({code_rows, n}, x.options().dtype(at::kInt));
+    vnni_int_mm(sums.data_ptr<int32_t>(), codes.data_ptr<uint8_t>(), qweight.data_ptr<int8_t>(), code_rows, k, n);
+  } else {
+    sums = at::_int_mm(codes, qweight.t());
+  }
+  auto out = at::empty({rows, n}, x.options());
+  DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      scalar_t* o = out.data_ptr<scalar_t>() + r * n;
+      const int32_t* hi = sums.data_ptr<int32_t>() + r * n;
+      const int32_t* lo = digits == 1 ? nullptr : sums.data_ptr<int32_t>() + (rows + r) * n;
+      if (scales.scalar_type() == at::kFloat)
+        scale_row(o, hi, lo, row_scale[r], scales.data_ptr<float>(), n);
+      else
+        scale_row(o, hi, lo, row_scale[r], scales.data_ptr<c10::BFloat16>(), n);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
@@ -384,4 +567,5 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
         &fused_add_rms_norm);
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
 }

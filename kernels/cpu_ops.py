@@ -1,5 +1,6 @@
 """The CPU kernels of cpu_ops.cpp as torch.ops.nanoserve_cpu: paged decode attention, RMSNorm (with the residual
-add), rotary embedding and SiLU-and-mul, each one op where the plain-torch reference takes 3 to 12.
+add), rotary embedding, SiLU-and-mul and the W8A8 linear (int8 activations x int8 weights), each one op where the
+plain-torch reference takes 3 to 12.
 
 They are compiled for this machine's CPU on first use (torch.utils.cpp_extension with ninja and the system C++
 compiler, ~10 s), once per source, torch and CPU, into NANOSERVE_CACHE (default ~/.cache/nanoserve). Where they
@@ -51,6 +52,12 @@ def cpu_isa(cpu_flags: set[str] | None = None, capped: bool = True) -> str:
     cap = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() if capped else ""
     allowed = ISAS[ISAS.index(cap):] if cap in ISAS else ISAS
     return next(isa for isa in allowed if ISA_FLAGS[isa] <= cpu_flags)
+
+
+def int8_dot_products() -> bool:
+    """Whether the kernels are built with AVX-512 VNNI's int8 dot products (cpu_ops.cpp's w8a8_linear reads few
+    rows with them): this CPU has them and ATEN_CPU_CAPABILITY does not cap the build below AVX-512."""
+    return cpu_isa() == "avx512" and "avx512_vnni" in _cpu_flags()
 
 
 def _build_flags(cpu_flags: set[str]) -> list[str]:

@@ -194,3 +194,32 @@ def int4_group_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                           offset: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ dequantize_int4_groups(packed, scale, offset)^T in x's dtype."""
     return F.linear(x, dequantize_int4_groups(packed, scale, offset).to(x.dtype))
+
+
+TOP_CODE = {1: 127, 2: 127 * 256 + 127}  # the largest code of activations as 1 or 2 int8 digits
+
+
+def quantize_rows_ref(x: torch.Tensor, digits: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x [T, K] as integer codes round(x * top / max |x|) and its scale max |x| / top [T] (float32),
+    top = TOP_CODE[digits]: int8 codes (digits=1), or int16 ones that split into two int8 digits (digits=2,
+    split_digits). A row's |error| <= its scale / 2; an all-zero row has codes 0 and scale 0."""
+    x = x.float()
+    top = x.abs().amax(dim=1)
+    # top_code divided by top (`127 / top` would be 127 * (1 / top), rounded twice)
+    inv = torch.where(top > 0, torch.full_like(top, TOP_CODE[digits]).div(top), torch.zeros_like(top))
+    codes = (x * inv[:, None]).round()
+    return codes.to(torch.int8 if digits == 1 else torch.int16), top / TOP_CODE[digits]
+
+
+def split_digits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int16 codes c as int8 digits (hi, lo), c = 256 hi + lo, lo in [-128, 127]."""
+    hi = torch.div(codes.int() + 128, 256, rounding_mode="floor")
+    return hi.to(torch.int8), (codes.int() - 256 * hi).to(torch.int8)
+
+
+def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, digits: int = 1) -> torch.Tensor:
+    """x [T, K] @ (qweight [N, K] int8 * scales [N])^T with x quantized per row (quantize_rows_ref): the exact
+    integer sums of the codes, times the row's scale and the output channel's, in x's dtype."""
+    codes, row_scale = quantize_rows_ref(x, digits)
+    sums = codes.long() @ qweight.long().T
+    return (sums.float() * row_scale[:, None] * scales.float()).to(x.dtype)

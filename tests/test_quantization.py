@@ -10,13 +10,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from nanoserve import SamplingParams
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import LinearBase, MergedColumnParallelLinear
+from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
-from nanoserve.layers.quantization import GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
+from nanoserve.kernels.reference import TOP_CODE, quantize_rows_ref, split_digits, w8a8_linear_ref
+from nanoserve.layers.quantization import (ACTIVATION_DIGITS, GroupQuantized, Int4Weight, Int8Weight, exact_int8_gemm,
+                                           runs_w8a8)
 from nanoserve.models.gguf import group_quantized
+from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
 
 T = gguf.GGMLQuantizationType
 BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding error, at most
@@ -31,10 +36,23 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def assert_linear_within(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_error: torch.Tensor):
-    """y equals F.linear(bf16(x), weight) up to weight_error per weight element and y's bfloat16 rounding."""
+def activation_error(x: torch.Tensor, w8a8: bool, digits: int = ACTIVATION_DIGITS) -> torch.Tensor | None:
+    """How far quantized activations (w8a8_linear) may be from bf16(x): half their row's step, and x's bfloat16
+    rounding."""
+    if not w8a8:
+        return None
+    _, row_scale = quantize_rows_ref(x, digits)
+    return row_scale[:, None] / 2 + BF16_EPS * x.float().abs()
+
+
+def assert_linear_within(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_error: torch.Tensor,
+                         x_error: torch.Tensor | None = None):
+    """y equals F.linear(bf16(x), weight) up to weight_error per weight element, x_error per activation (where
+    they were quantized: activation_error) and y's bfloat16 rounding."""
     reference = F.linear(bf16(x), weight)
     bound = F.linear(bf16(x).abs(), weight_error) + BF16_EPS * reference.abs() + 1e-5
+    if x_error is not None:
+        bound += F.linear(x_error, weight.abs() + weight_error)
     assert y.dtype == x.dtype and y.shape == reference.shape
     assert ((y.float() - reference).abs() <= bound).all(), (y.float() - reference).abs().max()
 
@@ -55,7 +73,9 @@ def test_int8_linear_matches_its_dequantized_weight(shape, dtype):
     scales = quantized.scales.float()[:, None]
     assert ((dequantized - weight).abs() <= scales / 2 * (1 + 1e-6)).all()  # round to nearest
     assert (scales <= weight.abs().amax(1, keepdim=True) / 127 * (1 + 2 ** -6)).all()  # the step is max|w| / 127
-    assert_linear_within(quantized.linear(x, None), x, dequantized, torch.zeros_like(weight))
+    assert quantized.w8a8 == runs_w8a8(quantized.qweight)
+    assert_linear_within(quantized.linear(x, None), x, dequantized, torch.zeros_like(weight),
+                         activation_error(x, quantized.w8a8))
     torch.testing.assert_close(quantized.linear(x, bias), quantized.linear(x, None) + bias)
     rows = torch.tensor([3, 0, 3])
     torch.testing.assert_close(quantized.embedding(rows, dtype), dequantized[rows].to(dtype))
@@ -88,6 +108,98 @@ def test_int4_refuses_what_its_layout_cannot_hold():
         Int4Weight.from_groups(GroupQuantized(codes, torch.ones(16, 2), torch.zeros(16, 2)))
 
 
+@pytest.fixture(scope="module")
+def w8a8_kernel():
+    kernel = cpu_op("w8a8_linear")
+    if kernel is None:
+        pytest.skip("nanoserve's C++ CPU kernels are not built here (no compiler or ninja)")
+    if not exact_int8_gemm():
+        pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI), so nanoserve runs no w8a8_linear here")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16, 17, 64])  # VNNI up to 8 code rows, oneDNN above
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail shorter than one 64-byte vector
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float32)])
+def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, digits, inputs, dtype, scale_dtype):
+    """The same integer codes and exact integer sums as w8a8_linear_ref (weight codes of -128 included: VNNI's
+    signed operand)."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
+    x[0] = 0  # an all-zero row: scale 0, no division by it
+    x[-1, :3] = torch.tensor([1e4, -1e4, 1e-3])  # an outlier row: codes of both extremes
+    qweight = torch.randint(-128, 128, (203, inputs), dtype=torch.int8)  # 203: VNNI's blocks of 4 and 3 more
+    scales = (torch.rand(203) / 100).to(scale_dtype)
+    y = w8a8_kernel(x, qweight, scales, digits)
+    assert y.dtype == dtype and y.shape == (rows, 203)
+    tolerance = 1e-6 if dtype == torch.float32 else BF16_EPS
+    torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales, digits), rtol=tolerance, atol=1e-6)
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_rows_quantize_within_half_their_step(digits):
+    torch.manual_seed(0)
+    x = torch.randn(6, 300) * torch.tensor([1e-3, 1, 50, 0, 7, 1e4])[:, None]
+    codes, scale = quantize_rows_ref(x, digits)
+    assert scale.shape == (6,)
+    assert ((codes.float() * scale[:, None] - x).abs() <= scale[:, None] / 2 * (1 + 1e-5) + 1e-30).all()
+    top = TOP_CODE[digits]
+    assert codes.int().abs().amax(dim=1).tolist() == [top, top, top, 0, top, top]
+
+
+def test_int16_codes_split_into_two_int8_digits():
+    codes = torch.arange(-TOP_CODE[2], TOP_CODE[2] + 1, dtype=torch.int16)
+    hi, lo = split_digits(codes)
+    assert hi.dtype == lo.dtype == torch.int8
+    assert torch.equal(hi.int() * 256 + lo.int(), codes.int())
+
+
+def test_w8a8_reference_is_the_dequantized_product_within_the_activations_step():
+    torch.manual_seed(0)
+    quantized = Int8Weight.from_float(torch.randn(96, 128))
+    x = torch.randn(4, 128)
+    for digits in (1, 2):
+        y = w8a8_linear_ref(x, quantized.qweight, quantized.scales, digits)
+        codes, scale = quantize_rows_ref(x, digits)
+        torch.testing.assert_close(y, F.linear(codes.float() * scale[:, None], quantized.dequantize()))
+        assert_linear_within(y, x, quantized.dequantize(), torch.zeros(96, 128), activation_error(x, True, digits))
+
+
+def test_int8_gemm_is_exact_where_the_cpu_has_int8_dot_products():
+    if not int8_dot_products():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    assert exact_int8_gemm()
+
+
+def test_without_int8_dot_products_the_weight_only_kernels_run(monkeypatch):
+    """An AVX2-only CPU (here: ATEN_CPU_CAPABILITY's cap) has no VNNI: int8 weights run torch's weight-only kernel
+    with bfloat16 activations."""
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert not int8_dot_products()
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 128), torch.randn(9, 128)
+    int8 = Int8Weight.from_float(weight)
+    assert not int8.w8a8
+    expected = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), int8.qweight, int8.scales).float()
+    torch.testing.assert_close(int8.linear(x, None), expected)
+
+
+def test_a_layer_the_int8_kernel_cannot_take_stays_float():
+    """torch's _weight_int8pack_mm crashes (SIGSEGV) on in_features not a multiple of 16: such a layer keeps its
+    float weight, the summary says why, and it computes F.linear."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"odd": ColumnParallelLinear(40, 32), "even": ColumnParallelLinear(64, 32)})
+    weights = {name: layer.weight.data.normal_().clone() for name, layer in model.items()}
+    summary = quantize_weights(model, "int8", torch.float32)
+    assert summary == f"float: 1, int8: 1; {INT8_INPUTS_REASON}"
+    pack_cpu_weights(model)
+    assert isinstance(model["even"].packed_weight, Int8Weight)
+    x = torch.randn(3, 40)
+    torch.testing.assert_close(model["odd"](x), F.linear(x, weights["odd"]))
+
+
 def gguf_blocks(qtype, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """A [rows, cols] weight as qtype's blocks: quantized by the gguf package, or (Q4_K, which it cannot quantize)
     random blocks with small super-block scales."""
@@ -111,7 +223,7 @@ def test_gguf_blocks_keep_their_codes_and_run_within_the_format(qtype):
         quantized = Int8Weight.from_float(groups.dequantize())
         step = quantized.scales.float()[:, None].expand(rows, cols)
         assert ((quantized.dequantize() - reference).abs() <= step / 2 * (1 + 1e-6)).all()
-        assert_linear_within(quantized.linear(x, None), x, reference, step / 2)
+        assert_linear_within(quantized.linear(x, None), x, reference, step / 2, activation_error(x, quantized.w8a8))
     else:  # the codes as they are; the scale and zero rounded to bfloat16
         quantized = Int4Weight.from_groups(groups)
         error = BF16_EPS * (15 * groups.scale.abs() + (groups.offset + 8 * groups.scale).abs())
@@ -275,8 +387,9 @@ def test_smollm2_greedy_tokens_follow_the_float_engine(smollm2_prompts, quantiza
                                                        max_logprob_error, make_llm):
     """The demo's file (Q4_1 codes: "auto" runs them as int4, "int4" requantizes the dequantized weights to groups
     of 32 again, "int8" to one scale per row) against the float32 engine on the same, dequantized, weights.
-    Measured (10 prompts, 16 tokens): auto and int4 8/10 equal, largest logprob difference while equal 0.14; int8
-    5/10, 0.20 (requantizing 4-bit groups per row adds its own error). Broken kernels agree on none."""
+    Measured (10 prompts, 16 tokens): auto and int4 9/10 equal, largest logprob difference while equal 0.12; int8
+    (with int16 activations where the CPU has VNNI) 4/10, 0.21, as weight-only int8 (requantizing 4-bit groups per
+    row adds its own error). int8 activations (W8A8) gave int8 2/10, 0.59. Broken kernels agree on none."""
     path, prompts = smollm2_prompts
     float_llm = make_llm(path, quantization="none", max_model_len=512, num_kvcache_blocks=64)
     quantized_llm = make_llm(path, quantization=quantization, max_model_len=512, num_kvcache_blocks=64)

@@ -53,9 +53,10 @@ class EngineConfig:
     kv_cache_dtype: str = _arg("auto", "KV-cache storage: auto (the model's dtype), or fp8 / fp8_e4m3 (one byte "
                                        "per value with per-layer scales: twice the blocks of a 16-bit cache)")
     quantization: str = _arg("auto", "weights: int8 (per output channel) or int4 (groups of 32), "
-                                            "weight-only, quantized at load (torch's kernels on cpu, Triton "
-                                            "kernels on cuda); none: float weights; auto: a GGUF file's own "
-                                            "quantization (Q8_0 as int8, Q4_0/Q4_1/Q4_K as int4), float otherwise")
+                                            "quantized at load (on cpus with AVX-512 VNNI, int8 weights multiply "
+                                            "activations quantized per token; Triton kernels on cuda); none: float "
+                                            "weights; auto: a GGUF file's own quantization (Q8_0 as int8, "
+                                            "Q4_0/Q4_1/Q4_K as int4), float otherwise")
     seed: int = _arg(0, "seed of the sampler's generator for requests without a seed")
     tokenizer: str | None = _arg(None, "tokenizer directory (default: the model directory)")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for (its logprobs sampling parameter)")

@@ -1,9 +1,19 @@
-"""Weight-only quantized weights for the linear layers. On the CPU, run by torch's CPU kernels
-(client/bench_quant.py measured them against oneDNN's packed float32 and bfloat16; docs/benchmarks.md):
+"""Quantized weights for the linear layers. On the CPU (client/bench_quant.py measured the kernels against oneDNN's
+packed float32 and bfloat16; docs/benchmarks.md):
 
-- int8: one scale per output channel, w = q * scale (q in [-127, 127]); `aten._weight_int8pack_mm`.
+- int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the CPU has int8 dot products
+  (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products), the activations are quantized too, each row (token) with its
+  own scale, and cpu_ops.cpp's w8a8_linear multiplies integer codes (VNNI for a few rows, oneDNN's int8 GEMM for
+  more). The codes are int16 (ACTIVATION_DIGITS = 2), each the two int8 digits of c = 256 hi + lo, so one int8
+  GEMM of twice the rows computes them: with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a
+  row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
+  against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, weight-only:
+  `aten._weight_int8pack_mm`, which needs in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
   `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
+  That kernel reads the weight once per row of the activations (it falls behind float32 from ~16 rows), but an
+  int8 copy for many rows (requantized per output channel) is not kept: it costs 16% of float32's bytes more and,
+  unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement fell from 9/10 prompts to 4/10).
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
@@ -18,11 +28,13 @@ groups' float32 scales and offsets as GroupQuantized holds them, so w = q * scal
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
 from nanoserve.kernels.reference import dequantize_int4_groups, int4_group_matmul_ref, int8_matmul_ref, pack_int4
 from nanoserve.layers.activation import cuda_op
 
@@ -30,6 +42,8 @@ QUANTIZATIONS = ("int8", "int4")
 QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tensors: "<weight name>.<part>"
 GROUP_SIZE = 32  # inputs per int4 group: llama.cpp's block size, and a divisor of every hidden size we serve
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel's layout packs 16 output rows together
+INT8_INPUTS_MULTIPLE = 16  # aten._weight_int8pack_mm crashes (SIGSEGV) on other in_features
+ACTIVATION_DIGITS = 2  # int8 digits per activation code: int16 codes (int8 ones lose too much on real models)
 KERNEL_DTYPE = torch.bfloat16
 TINY = torch.finfo(KERNEL_DTYPE).tiny
 
@@ -67,6 +81,20 @@ class GroupQuantized:
         return cls(codes.reshape(weight.shape).to(torch.uint8), scale, low)
 
 
+def runs_w8a8(weight: torch.Tensor) -> bool:
+    """Whether an int8 weight on this device computes with quantized activations (w8a8_linear): on a CPU with
+    int8 dot products whose int8 GEMM is exact, where the C++ kernels are built."""
+    return weight.is_cpu and int8_dot_products() and exact_int8_gemm() and cpu_op("w8a8_linear") is not None
+
+
+@functools.cache
+def exact_int8_gemm() -> bool:
+    """Whether torch._int_mm (oneDNN's int8 GEMM) sums exactly here. Without VNNI (an AVX2 CPU, or oneDNN capped
+    by ONEDNN_MAX_CPU_ISA) it multiplies pairs into saturating int16s (pmaddubsw): 127 * 127 sums come out wrong."""
+    codes = torch.full((17, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(codes, codes.t()) == 64 * 127 * 127).all())
+
+
 def runs_triton(weight: torch.Tensor) -> bool:
     """Whether a weight's matmul is a Triton kernel: on CUDA. (Tests send CPU tensors there, in the interpreter.)"""
     return weight.is_cuda
@@ -86,6 +114,7 @@ class Int8Weight:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         self.qweight, self.scales = qweight, scales
+        self.w8a8 = runs_w8a8(qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
@@ -98,6 +127,8 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if runs_triton(self.qweight):
             y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
+        elif self.w8a8:
+            y = cpu_op("w8a8_linear")(x, self.qweight, self.scales, ACTIVATION_DIGITS)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias

@@ -6,7 +6,9 @@
 - "none": float weights; kept codes are dequantized.
 
 The token embedding and the LM head are int8 (per row) whenever they are quantized: a tied LM head shares the
-embedding's table. Norms and biases stay float. Runs after load_weights and before pack_cpu_weights.
+embedding's table. Norms and biases stay float, and so does a CPU layer whose in_features torch's int8 kernel
+cannot take (not a multiple of INT8_INPUTS_MULTIPLE), with the reason in the summary. Runs after load_weights and
+before pack_cpu_weights.
 On the CPU the 4-bit format is Int4Weight (torch's CPU kernel), on CUDA PackedInt4Weight (the Triton kernel, which
 keeps a GGUF file's scales and offsets in float32 as they are); int8 is Int8Weight on both, on the model's device.
 """
@@ -19,10 +21,12 @@ from torch import nn
 
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase
-from nanoserve.layers.quantization import (GROUP_SIZE, GroupQuantized, Int4Weight, Int8Weight, PackedInt4Weight,
-                                           runs_triton)
+from nanoserve.layers.quantization import (GROUP_SIZE, INT8_INPUTS_MULTIPLE, GroupQuantized, Int4Weight, Int8Weight,
+                                           PackedInt4Weight, runs_triton)
 
 FOUR_BIT = "int4"  # the format 4-bit GGUF codes run as (client/bench_quant.py)
+INT8_INPUTS_REASON = (f"kept float: in_features not a multiple of {INT8_INPUTS_MULTIPLE}, which torch's int8 CPU "
+                      "kernel needs")
 
 
 def on_device(quantization: str, device: torch.device) -> str:
@@ -33,8 +37,9 @@ def on_device(quantization: str, device: torch.device) -> str:
 
 def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) -> str:
     """Give each linear layer and embedding its weight in the chosen format; returns how many modules got each,
-    for the log ("int8: 2, int4: 120": SmolLM2's embedding and tied LM head, and its 30 x 4 linear layers)."""
-    chosen, tables = Counter(), {}  # tables: id(float weight) -> its Int8Weight (a tied LM head's is shared)
+    for the log ("int8: 2, int4: 120": SmolLM2's embedding and tied LM head, and its 30 x 4 linear layers), with
+    the reason any module that was to be quantized kept float weights."""
+    chosen, tables, reasons = Counter(), {}, set()  # tables: id(float weight) -> its Int8Weight (a tied LM head's)
     for module in model.modules():  # the embedding before a tied LM head
         if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
             continue
@@ -44,17 +49,20 @@ def quantize_weights(model: nn.Module, quantization: str, dtype: torch.dtype) ->
             chosen["int8"] += 1
             continue
         target = _target(module, groups, quantization)
-        if target is None:
+        float_weight = groups.dequantize() if groups is not None else module.weight
+        weight = None if target is None else _quantized(float_weight, groups, target, module.weight)
+        if weight is None:
             if groups is not None:
-                module.weight.data = groups.dequantize().to(device=module.weight.device, dtype=dtype)
+                module.weight.data = float_weight.to(device=module.weight.device, dtype=dtype)
+            if target is not None:
+                reasons.add(INT8_INPUTS_REASON)
             chosen["float"] += 1
             continue
-        float_weight = groups.dequantize() if groups is not None else module.weight
-        weight = _quantized(float_weight, groups, target, module.weight)
         tables[id(module.weight)] = weight
         _install(module, weight)
         chosen[weight.name] += 1
-    return ", ".join(f"{kind}: {count}" for kind, count in chosen.items())
+    summary = ", ".join(f"{kind}: {count}" for kind, count in chosen.items())
+    return "; ".join([summary, *sorted(reasons)])
 
 
 def _target(module, groups: GroupQuantized | None, quantization: str) -> str | None:
@@ -68,7 +76,8 @@ def _target(module, groups: GroupQuantized | None, quantization: str) -> str | N
 
 
 def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target: str, module_weight: torch.Tensor):
-    """The weight in target's format, on the module's device (kept codes arrive on the CPU)."""
+    """The weight in target's format, on the module's device (kept codes arrive on the CPU); None where the CPU's
+    int8 kernel cannot take its inputs."""
     if runs_triton(module_weight):
         return _quantized_for_triton(float_weight, groups, target).to(module_weight.device)
     if target == "int4":
@@ -77,6 +86,8 @@ def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target
             return Int4Weight.from_groups(source or GroupQuantized.from_float(float_weight))
         except ValueError:
             pass  # a shape the int4 layout cannot hold
+    if float_weight.shape[1] % INT8_INPUTS_MULTIPLE:
+        return None
     return Int8Weight.from_float(float_weight)
 
 
