@@ -170,13 +170,9 @@ class OutputProcessor:
         seqs = sampled_seqs.seqs
         stopping = self.may_stop.take(sampled.token_ids, mode="clip")
         stopping |= sampled_seqs.num_tokens >= sampled_seqs.max_num_tokens
-        looked_at = None  # every row is looked at (all streamed, say)
-        if len(self.watched) < len(self.requests):
-            looked_at = stopping
-            if self.watched:
-                looked_at = stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
-            if not looked_at.any():
-                return []
+        looked_at = self._looked_at(seqs, stopping)
+        if looked_at is not None and not looked_at.any():
+            return []
         states = self._states(seqs)
         rows = zip(states, sampled.token_ids.tolist(), sampled.logprobs.tolist(), stopping.tolist(), count())
         if looked_at is not None:
@@ -205,13 +201,7 @@ class OutputProcessor:
                 reason = "stop" if grammar_ends or detokenizer.stop_matched is not None else \
                     self._finish_reason(state, token_id, num_tokens)
                 if reason is not None:
-                    self.num_dropped_tokens += len(seq.token_ids) - num_tokens
-                    del seq.token_ids[num_tokens:]  # tokens of its run after the stop are dropped
-                    finished.append((seq, reason))
-                    del self.requests[seq.request_id]
-                    self.watched.discard(seq.request_id)
-                    self.constrained.discard(seq.request_id)
-                    done = self._sequence_done(state)
+                    done = self._finish(state, reason, num_tokens, finished)
                     if not state.stream:
                         outputs.append(self._final_output(state, reason, done))
                         continue
@@ -229,6 +219,28 @@ class OutputProcessor:
             self._rows = [], []  # a finished request's state is not kept alive
         return finished
 
+    def _looked_at(self, seqs: list[Sequence], stopping: np.ndarray) -> np.ndarray | None:
+        """The rows process() looks at: None for every row (all streamed, say), else a mask of those that may stop
+        and those watched at every step."""
+        if len(self.watched) == len(self.requests):
+            return None
+        if not self.watched:
+            return stopping
+        return stopping | np.fromiter(map(self.watched.__contains__, map(_request_id, seqs)), bool)
+
+    def _finish(self, state: RequestState, reason: str, num_tokens: int,
+                finished: list[tuple[Sequence, str]]) -> bool:
+        """The sequence ends at its num_tokens-th token (tokens of its run after the stop are dropped); True when it
+        was its request's last sequence."""
+        seq = state.seq
+        self.num_dropped_tokens += len(seq.token_ids) - num_tokens
+        del seq.token_ids[num_tokens:]
+        finished.append((seq, reason))
+        del self.requests[seq.request_id]
+        self.watched.discard(seq.request_id)
+        self.constrained.discard(seq.request_id)
+        return self._sequence_done(state)
+
     def _defer(self, state: RequestState, token_id: int, logprob: float, may_stop: bool, sampled: RunnerOutput,
                row: int, finished: list[tuple[Sequence, str]]) -> None:
         """Decide now whether a deferrable stream ends here; leave its output for emit_deferred()."""
@@ -237,10 +249,7 @@ class OutputProcessor:
         if may_stop:
             reason = self._finish_reason(state, token_id, num_tokens)
             if reason is not None:
-                finished.append((seq, reason))
-                del self.requests[seq.request_id]
-                self.watched.discard(seq.request_id)
-                done = self._sequence_done(state)
+                done = self._finish(state, reason, num_tokens, finished)
                 self._rows = [], []
         top = sampled.top_logprobs[row] if state.wants_logprobs else None
         self.deferred.append((state, token_id, logprob, top, num_tokens - seq.num_prompt_tokens, reason, done))
