@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
 PROMPT = "Paged attention keeps"
 
 
-@pytest.mark.parametrize("qtype, weights", [(gguf.GGMLQuantizationType.F32, "float: 10"),
-                                            (gguf.GGMLQuantizationType.Q4_0, "int8: 2, int4: 8")])
+# A quantized file: the default path; a float file loads as any checkpoint does (tests/test_gguf.py)
+@pytest.mark.parametrize("qtype, weights", [(gguf.GGMLQuantizationType.Q4_0, "int8: 2, int4: 8")])
 def test_serve_a_gguf_file_equals_the_offline_engine(qtype, weights, tmp_path, monkeypatch):
     from nanoserve.tiny_model import build_tiny_model
 
