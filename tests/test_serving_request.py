@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined, joined_all
 from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.shared.contracts.token_model import TOKEN_INPUTS, is_final
@@ -19,7 +19,7 @@ from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, token_arrays
-from nanoserve.serving.stub.pacing import merge_into
+from nanoserve.serving.stub.pacing import Pacer, merge_into
 from nanoserve.serving.stub.request import MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, parse_request
 from nanoserve.serving.stub.responses import (STOP, Generated, Register, Reject, ResponseThread, Stream, text_arrays,
                                               vllm_logprobs)
@@ -244,6 +244,50 @@ def test_joined_deltas_are_the_whole_output(tokens, data):
     assert whole.new_logprobs == [{t: -0.1 * t} for t, _, _ in tokens]
     assert whole.new_logprob_ranks == [rank for _, _, rank in tokens]
     assert whole.prompt_logprobs is prompt and whole.finished and whole.num_output_tokens == len(tokens)
+
+
+def random_step_outputs(draw_steps) -> list[list[RequestOutput]]:
+    """Steps of requests "a" (n = 1) and "b" (n = 2): per step, which samples got a token (and its text)."""
+    steps, counts = [], {}
+    for step, picks in enumerate(draw_steps):
+        outputs = []
+        for request_id, index, delta, with_prompt in picks:
+            counts[request_id, index] = counts.get((request_id, index), 0) + 1
+            outputs.append(RequestOutput(request_id, [step], delta, False, None, 3, counts[request_id, index],
+                                         -0.5 * step, [{step: -0.5}], new_logprob_ranks=[step % 3 + 1], index=index,
+                                         prompt_logprobs=PromptLogprobs([1], [None], [1]) if with_prompt else None))
+        steps.append(outputs)
+    return steps
+
+
+def fields(outputs) -> list[tuple]:
+    return [(o.request_id, o.index, o.new_token_ids, o.text_delta, o.new_logprobs, o.new_logprob_ranks,
+             o.num_output_tokens, o.prompt_logprobs is not None) for o in outputs]
+
+
+@given(st.lists(st.lists(st.sampled_from([("a", 0), ("b", 0), ("b", 1)]), unique=True, max_size=3).flatmap(
+    lambda picks: st.tuples(*[st.tuples(st.just(r), st.just(i), st.text(max_size=2), st.booleans())
+                              for r, i in picks]).map(list)), min_size=1, max_size=8))
+def test_pacer_sends_what_merging_every_step_gives(draw_steps):
+    """The pacer keeps a request's outputs as they come and joins them once when it sends: the same outputs, in
+    the same order, as merging them into one per sample at every step (merge_into)."""
+    eager = {}
+    for outputs in random_step_outputs(draw_steps):
+        merge_into(eager, outputs)
+    pacer, sent = Pacer(), {}
+    pacer.add(random_step_outputs(draw_steps), lambda request_id, outputs: None)
+    pacer.flush(lambda request_id, outputs: sent.setdefault(request_id, outputs), lambda *a: False, force=True)
+    assert list(sent) == list(eager) and all(fields(sent[r]) == fields(eager[r]) for r in eager)
+    assert not pacer.pending
+
+
+def test_joined_all_is_joined_pair_by_pair():
+    outputs = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")])
+    outputs[1].prompt_logprobs = PromptLogprobs([1], [None], [1])
+    pairwise = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")])
+    pairwise[1].prompt_logprobs = outputs[1].prompt_logprobs
+    whole = joined(joined(pairwise[0], pairwise[1]), pairwise[2])
+    assert fields([joined_all(outputs)]) == fields([whole]) and joined_all(outputs) is outputs[2]
 
 
 def test_text_arrays_streaming_and_not():
