@@ -366,7 +366,7 @@ class FakeSender:
 def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
-                                         record_token_gap=lambda s: None,
+                                         record_token_gaps=lambda gaps: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
     return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
                           lambda stream, outputs: text_arrays(stream, outputs, str, every_step),
@@ -665,20 +665,39 @@ def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
     calls, clock = [], FakeClock()
     metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
     thread = response_thread(clock, send_budget=1.0, metrics=metrics)
-    for _ in range(SAMPLES_PER_ROUND):  # two samples each: vLLM's two inter-token histograms
-        metrics.record_token_gap(0.01)
+    metrics.record_token_gaps([0.01] * SAMPLES_PER_ROUND)  # two samples each: vLLM's two inter-token histograms
     metrics.record_generated(5)
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == SAMPLES_PER_ROUND and metrics.unpublished
     assert ("increment", "vllm:generation_tokens_total", 5) in calls  # counters and gauges go at once
     thread.handle_events([])  # the next round, without waiting for PUBLISH_INTERVAL
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND and not metrics.unpublished
-    metrics.record_token_gap(0.01)
+    metrics.record_token_gaps([0.01])
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND  # the interval again
     clock.now += PUBLISH_INTERVAL
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND + 2
+
+
+def test_token_gaps_are_recorded_once_per_stream_and_step():
+    """vLLM's per-token gaps: each stream's token after its first, the time since the step of its previous one;
+    a stream's second sample in the same step adds no gap."""
+    from nanoserve.serving.stub.metrics import Metrics
+
+    calls, clock = [], FakeClock()
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
+    thread = response_thread(clock, send_budget=1.0, metrics=metrics)
+    for request_id in "ab":
+        thread.handle_events([Register(request_id, Stream(FakeSender(clock, 0.0), parse(
+            text_input=text("Hi"), stream=np.array([True]), sampling_parameters=text('{"n": 2}'))))])
+    times = [1.0, 1.25, 1.75]
+    for step, time_ in enumerate(times):
+        outputs = [RequestOutput(r, [step], "x", False, None, 3, step + 1, index=i) for r in "ab" for i in (0, 1)]
+        thread.handle_events([StepResult(outputs=outputs, time=time_)])
+    metrics.publish()
+    gaps = [value for kind, name, value in calls if name == "vllm:inter_token_latency_seconds"]
+    assert sorted(gaps) == [0.25, 0.25, 0.5, 0.5]
 
 
 def test_closed_metrics_hold_no_family_or_metric():

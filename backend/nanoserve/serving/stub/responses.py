@@ -309,16 +309,18 @@ class ResponseThread:
     def _record_timing(self, step: StepResult) -> None:
         """TTFT, and the times of the first and last tokens, from the time the engine step produced them (once per
         request and step, whatever number of its samples got a token)."""
+        gaps, now, streams = [], step.time, self.streams
         for output in step.outputs:
-            stream = self.streams.get(output.request_id)
-            if stream is None or not output.new_token_ids or stream.last_token == step.time:
+            stream = streams.get(output.request_id)
+            if stream is None or not output.new_token_ids or stream.last_token == now:
                 continue
             if stream.first_token is None:
-                stream.first_token = step.time
-                self.metrics.record_first_token(step.time - stream.arrival, output.num_prompt_tokens)
+                stream.first_token = now
+                self.metrics.record_first_token(now - stream.arrival, output.num_prompt_tokens)
             else:
-                self.metrics.record_token_gap(step.time - stream.last_token)
-            stream.last_token = step.time
+                gaps.append(now - stream.last_token)
+            stream.last_token = now
+        self.metrics.record_token_gaps(gaps)
 
     def _finish(self, request_id: str, arrays: dict) -> None:
         stream = self.streams.pop(request_id)
