@@ -25,7 +25,6 @@ import gc
 import itertools
 import json
 import logging
-import queue
 
 import triton_python_backend_utils as pb_utils
 
@@ -36,6 +35,7 @@ from nanoserve.serving.shared.contracts import token_model, vllm_text
 from nanoserve.serving.stub.request import parse_request
 from nanoserve.serving.stub.control import Drain, control_event
 from nanoserve.serving.stub.engine_thread import EngineInProcess
+from nanoserve.serving.stub.inbox import Inbox
 from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET
 from nanoserve.serving.stub.responses import Register, Reject, ResponseThread, Stream, text_formatter
@@ -114,7 +114,7 @@ class TritonPythonModel:
         self.name = args["model_name"]
         config, adapters, vllm_metrics = _engine_config(args, model_config)
         self.max_model_len = config.max_model_len
-        self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
+        self.events = Inbox()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.engine_core = _start_engine(config, self.events, adapters, core_process)
         # The stub's heap is now torch, transformers (and the model, in this process): long-lived objects. Frozen,
         # a full collection (set off by the response thread's allocations) skips them instead of walking them all.
@@ -217,7 +217,7 @@ def _engine_config(args: dict, model_config: dict):
     return EngineConfig.from_kwargs(**engine_args), adapters, vllm_metrics
 
 
-def _start_engine(config, events: queue.Queue, adapters: dict, core_process: bool):
+def _start_engine(config, events: Inbox, adapters: dict, core_process: bool):
     """The engine: in an engine core process of its own (config.pbtxt parameter engine_core_process), else on a
     thread of this stub."""
     if core_process:

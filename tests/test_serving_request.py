@@ -1,7 +1,6 @@
 """Parsing and validation of Triton request tensors (every bad input names its field), and the response
 thread's formatting and pacing: pure Python, no server."""
 import json
-import queue
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +18,7 @@ from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, token_arrays
+from nanoserve.serving.stub.inbox import Inbox
 from nanoserve.serving.stub.pacing import Pacer, merge_into
 from nanoserve.serving.stub.request import MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, parse_request
 from nanoserve.serving.stub.responses import (STOP, Generated, Register, Reject, ResponseThread, Stream, text_arrays,
@@ -368,7 +368,7 @@ def response_thread(clock, send_budget, metrics=None, every_step=False):
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
                                          record_token_gaps=lambda gaps: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
-    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
+    return ResponseThread(FakePb, Inbox(clock), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
                           lambda stream, outputs: text_arrays(stream, outputs, str, every_step),
                           send_budget=send_budget, every_step=every_step, clock=clock)
 
