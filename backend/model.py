@@ -42,6 +42,7 @@ from nanoserve.serving.stub.responses import Register, Reject, ResponseThread, S
 from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
+GC_YOUNG_OBJECTS = 20_000  # the stub's threshold of its youngest generation (Python's default: 700)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs)
     "text": (vllm_text.TEXT_INPUTS, vllm_text.TEXT_OUTPUTS),
@@ -120,6 +121,10 @@ class TritonPythonModel:
         # a full collection (set off by the response thread's allocations) skips them instead of walking them all.
         gc.collect()
         gc.freeze()
+        # Each engine step makes a few objects per stream that live a few steps (outputs until the response thread
+        # merges them): at the default 700 they set off collections that move them to older generations, and full
+        # collections follow, on the engine's thread. They die by reference count; cycles are rare here.
+        gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
                                max_model_len=config.max_model_len,
                                num_speculative_tokens=_num_speculative_tokens(config))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.errors import RequestError
 from nanoserve.serving.stub.engine_thread import StepResult
-from nanoserve.serving.stub.inbox import Inbox
+from nanoserve.serving.stub.inbox import MAX_QUIET, Inbox
 from nanoserve.serving.stub.responses import Register, Reject
 
 
@@ -74,15 +74,16 @@ def test_a_due_response_thread_takes_quiet_steps_without_waiting():
     st.tuples(st.just("reject"), st.just("x"), st.just("")),
     st.tuples(st.just("respond"), st.sampled_from("abc"), st.just("")),
     st.tuples(st.just("take"), st.sampled_from([None, -1.0, 0.0, 1.0]), st.just("")),
-    st.tuples(st.just("tick"), st.floats(0, 2), st.just(""))), max_size=30))
+    st.tuples(st.just("tick"), st.sampled_from([0.0, MAX_QUIET / 3, MAX_QUIET, 1.0]), st.just(""))), max_size=30))
 def test_each_event_wakes_exactly_when_urgent_or_due_and_all_come_out_in_order(actions):
     clock = Clock()
     inbox = Inbox(clock)
-    eager, wake_at, taken, put = set(), -np.inf, [], []
+    eager, wake_at, taken, put, queued, oldest = set(), -np.inf, [], [], False, 0.0
     for kind, value, extra in actions:
         if kind == "take":
             wake_at = -np.inf if value is None else clock.now + value
             taken += inbox.take(0, None if value is None else clock.now + value)
+            queued = False
             assert not inbox.woken
             continue
         if kind == "tick":
@@ -93,12 +94,14 @@ def test_each_event_wakes_exactly_when_urgent_or_due_and_all_come_out_in_order(a
             eager.discard(value)
             continue
         woken_before = inbox.woken
+        oldest = clock.now if not queued else oldest
+        queued = True
         if kind == "step":
             fields = {"rejected": {"rejected": [("r", RequestError(None, "no"))]}, "failed": {"failed": [("f", "no")]},
                       "failure": {"failure": "dead"}}.get(extra, {})
             event = step(*value, **fields)
             urgent = bool(extra) or any(finished or r in eager for r, finished in value)
-            should_wake = urgent or clock.now >= wake_at
+            should_wake = urgent or clock.now >= wake_at or clock.now - oldest >= MAX_QUIET
         else:
             event = register(value) if kind == "register" else Reject(None, RequestError(None, "no"))
             eager |= {value} if kind == "register" else set()
@@ -108,3 +111,19 @@ def test_each_event_wakes_exactly_when_urgent_or_due_and_all_come_out_in_order(a
         assert inbox.woken == (woken_before or should_wake)
     taken += inbox.take(0)
     assert taken == put and inbox.eager == eager
+
+
+def test_quiet_steps_wake_the_response_thread_once_the_oldest_has_waited_max_quiet():
+    clock = Clock()
+    inbox = Inbox(clock)
+    inbox.take(0, wake_at=clock.now + 10)  # the next flush is far
+    first = step(("a", False))
+    inbox.put(first)
+    clock.now += MAX_QUIET / 2
+    inbox.put(step(("a", False)))
+    assert not inbox.woken
+    clock.now += MAX_QUIET / 2
+    inbox.put(step(("a", False)))
+    assert inbox.woken and len(inbox.take(0, wake_at=clock.now + 10)) == 3
+    inbox.put(step(("a", False)))  # a new oldest
+    assert not inbox.woken

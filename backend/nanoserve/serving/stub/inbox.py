@@ -5,9 +5,10 @@ Waking a thread costs the waker a futex wake and often a context switch; the eng
 step, and the response thread a round of its loop, although most steps' outputs only wait in the pacer for its
 next flush. So a StepResult wakes the response thread only when it holds something urgent: an output that
 finishes, one of a request that has no response yet (`eager`: from its Register until its first response), a
-rejection or failure; or once the response thread's own `wake_at` (its next flush or other deadline)
-has passed. Otherwise it waits here until the response thread wakes: at wake_at at the latest, so nothing is sent
-later than the pacer alone would send it. Every other event wakes it at once.
+rejection or failure; once the response thread's own `wake_at` (its next flush) has passed; or once the oldest
+event queued has waited MAX_QUIET (a round of the response thread then merges a few steps' outputs, which do not
+pile up for the garbage collector). Otherwise it waits here until the response thread wakes, at wake_at at the
+latest: nothing is sent later than the pacer alone would send it. Every other event wakes it at once.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from collections import deque
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.responses import Register
 
+MAX_QUIET = 0.02  # seconds: quiet steps queued longer wake the response thread (its round then joins few objects)
+
 
 class Inbox:
     def __init__(self, clock=time.monotonic):
@@ -27,13 +30,18 @@ class Inbox:
         self._wake = queue.SimpleQueue()  # one entry per wake-up owed to the response thread
         self.wake_at = -math.inf  # clock() from which every event wakes the response thread
         self.eager: set[str] = set()  # request ids whose every output wakes the response thread
+        self._oldest = 0.0  # clock() when the oldest event queued was put
 
     def put(self, event) -> None:
         """Any thread: queue the event; wake the response thread if it is urgent or the thread is due."""
         if isinstance(event, Register):  # no response yet
             self.eager.add(event.request_id)
+        now = self.clock()
+        if not self._items:
+            self._oldest = now
         self._items.append(event)
-        if not isinstance(event, StepResult) or self.clock() >= self.wake_at or self._urgent(event):
+        if (not isinstance(event, StepResult) or now >= self.wake_at or now - self._oldest >= MAX_QUIET
+                or self._urgent(event)):
             self._wake.put(None)
 
     @property

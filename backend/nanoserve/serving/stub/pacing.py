@@ -28,24 +28,25 @@ class Pacer:
         if not 0 < send_budget <= 1:
             raise ValueError(f"send_budget: must be in (0, 1], got {send_budget}")
         self.send_budget, self.every_step, self.clock = send_budget, every_step, clock
-        self.pending: dict[str, list] = {}  # request_id -> its RequestOutputs not sent yet, in order (merged)
+        self.pending: dict[str, list] = {}  # request_id -> its merged RequestOutputs not sent yet (merge_into)
         self.next_flush = 0.0  # clock() before which only urgent outputs are sent
 
     def add(self, step_outputs: list[list], send: Send) -> None:
         """The outputs of steps, in order: sent now (every_step), else pending."""
         if self.every_step:
             for outputs in step_outputs:
-                for request_id, merged in merge_into({}, outputs).items():
-                    send(request_id, merged)
-        else:
-            pending = self.pending
+                for request_id, request_outputs in merge_into({}, outputs).items():
+                    send(request_id, request_outputs)
+        else:  # a round's steps joined per request in one pass, then into what is pending: few objects held
+            arrived: dict[str, list] = {}
             for outputs in step_outputs:
                 for output in outputs:
-                    queued = pending.get(output.request_id)
+                    queued = arrived.get(output.request_id)
                     if queued is None:
-                        pending[output.request_id] = [output]
+                        arrived[output.request_id] = [output]
                     else:
                         queued.append(output)
+            merge_into(self.pending, [output for outputs in arrived.values() for output in merged(outputs)])
 
     def flush(self, send: Send, urgent: Callable[[str, list], bool], force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush (or when forced), else only the
@@ -56,7 +57,7 @@ class Pacer:
                if regular or urgent(request_id, outputs)]
         for request_id, outputs in due:
             del self.pending[request_id]
-            send(request_id, merged(outputs))
+            send(request_id, outputs)
         if regular and due:
             self.next_flush = start + (self.clock() - start) / self.send_budget
 
