@@ -25,7 +25,6 @@ import gc
 import itertools
 import json
 import logging
-import queue
 
 import triton_python_backend_utils as pb_utils
 
@@ -36,12 +35,14 @@ from nanoserve.serving.shared.contracts import token_model, vllm_text
 from nanoserve.serving.stub.request import parse_request
 from nanoserve.serving.stub.control import Drain, control_event
 from nanoserve.serving.stub.engine_thread import EngineInProcess
+from nanoserve.serving.stub.inbox import Inbox
 from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET
 from nanoserve.serving.stub.responses import Register, Reject, ResponseThread, Stream, text_formatter
 from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
+GC_YOUNG_OBJECTS = 20_000  # the stub's threshold of its youngest generation (Python's default: 700)
 faulthandler.enable()  # a crash in the stub leaves every thread's Python stack in tritonserver's log
 MODES = {  # mode -> (inputs, outputs)
     "text": (vllm_text.TEXT_INPUTS, vllm_text.TEXT_OUTPUTS),
@@ -114,12 +115,16 @@ class TritonPythonModel:
         self.name = args["model_name"]
         config, adapters, vllm_metrics = _engine_config(args, model_config)
         self.max_model_len = config.max_model_len
-        self.events = queue.Queue()  # -> response thread: Register/Reject from here, StepResults from the engine
+        self.events = Inbox()  # -> response thread: Register/Reject from here, StepResults from the engine
         self.engine_core = _start_engine(config, self.events, adapters, core_process)
         # The stub's heap is now torch, transformers (and the model, in this process): long-lived objects. Frozen,
         # a full collection (set off by the response thread's allocations) skips them instead of walking them all.
         gc.collect()
         gc.freeze()
+        # Each engine step makes a few objects per stream that live a few steps (outputs until the response thread
+        # merges them): at the default 700 they set off collections that move them to older generations, and full
+        # collections follow, on the engine's thread. They die by reference count; cycles are rare here.
+        gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
         self.metrics = Metrics(pb_utils, self.name, args["model_version"], vllm_names=vllm_metrics,
                                max_model_len=config.max_model_len,
                                num_speculative_tokens=_num_speculative_tokens(config))
@@ -217,7 +222,7 @@ def _engine_config(args: dict, model_config: dict):
     return EngineConfig.from_kwargs(**engine_args), adapters, vllm_metrics
 
 
-def _start_engine(config, events: queue.Queue, adapters: dict, core_process: bool):
+def _start_engine(config, events: Inbox, adapters: dict, core_process: bool):
     """The engine: in an engine core process of its own (config.pbtxt parameter engine_core_process), else on a
     thread of this stub."""
     if core_process:

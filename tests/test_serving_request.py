@@ -1,7 +1,6 @@
 """Parsing and validation of Triton request tensors (every bad input names its field), and the response
 thread's formatting and pacing: pure Python, no server."""
 import json
-import queue
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined
+from nanoserve.engine.outputs import PromptLogprobs, RequestOutput, joined, joined_all
 from nanoserve.errors import ErrorKind, RequestError
 from nanoserve.sampling_params import MAX_STOP_STRINGS
 from nanoserve.serving.shared.contracts.token_model import TOKEN_INPUTS, is_final
@@ -19,7 +18,8 @@ from nanoserve.serving.shared.engine_model import MAX_DRAIN_SECONDS
 from nanoserve.serving.stub.control import CancelById, Drain, control_event
 from nanoserve.serving.stub.engine_thread import StepResult
 from nanoserve.serving.stub.ensemble import DetokenizeRequest, ended_token_arrays, token_arrays
-from nanoserve.serving.stub.pacing import merge_into
+from nanoserve.serving.stub.inbox import Inbox
+from nanoserve.serving.stub.pacing import Pacer, merge_into
 from nanoserve.serving.stub.request import MAX_JSON_BYTES, MAX_STOP_WORD_BYTES, parse_request
 from nanoserve.serving.stub.responses import (STOP, Generated, Register, Reject, ResponseThread, Stream, text_arrays,
                                               vllm_logprobs)
@@ -246,6 +246,50 @@ def test_joined_deltas_are_the_whole_output(tokens, data):
     assert whole.prompt_logprobs is prompt and whole.finished and whole.num_output_tokens == len(tokens)
 
 
+def random_step_outputs(draw_steps) -> list[list[RequestOutput]]:
+    """Steps of requests "a" (n = 1) and "b" (n = 2): per step, which samples got a token (and its text)."""
+    steps, counts = [], {}
+    for step, picks in enumerate(draw_steps):
+        outputs = []
+        for request_id, index, delta, with_prompt in picks:
+            counts[request_id, index] = counts.get((request_id, index), 0) + 1
+            outputs.append(RequestOutput(request_id, [step], delta, False, None, 3, counts[request_id, index],
+                                         -0.5 * step, [{step: -0.5}], new_logprob_ranks=[step % 3 + 1], index=index,
+                                         prompt_logprobs=PromptLogprobs([1], [None], [1]) if with_prompt else None))
+        steps.append(outputs)
+    return steps
+
+
+def fields(outputs) -> list[tuple]:
+    return [(o.request_id, o.index, o.new_token_ids, o.text_delta, o.new_logprobs, o.new_logprob_ranks,
+             o.num_output_tokens, o.prompt_logprobs is not None) for o in outputs]
+
+
+@given(st.lists(st.lists(st.sampled_from([("a", 0), ("b", 0), ("b", 1)]), unique=True, max_size=3).flatmap(
+    lambda picks: st.tuples(*[st.tuples(st.just(r), st.just(i), st.text(max_size=2), st.booleans())
+                              for r, i in picks]).map(list)), min_size=1, max_size=8))
+def test_pacer_sends_what_merging_every_step_gives(draw_steps):
+    """The pacer keeps a request's outputs as they come and joins them once when it sends: the same outputs, in
+    the same order, as merging them into one per sample at every step (merge_into)."""
+    eager = {}
+    for outputs in random_step_outputs(draw_steps):
+        merge_into(eager, outputs)
+    pacer, sent = Pacer(), {}
+    pacer.add(random_step_outputs(draw_steps), lambda request_id, outputs: None)
+    pacer.flush(lambda request_id, outputs: sent.setdefault(request_id, outputs), lambda *a: False, force=True)
+    assert list(sent) == list(eager) and all(fields(sent[r]) == fields(eager[r]) for r in eager)
+    assert not pacer.pending
+
+
+def test_joined_all_is_joined_pair_by_pair():
+    outputs = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")])
+    outputs[1].prompt_logprobs = PromptLogprobs([1], [None], [1])
+    pairwise = outputs_of("a", [(5, "He"), (6, ""), (7, "llo")])
+    pairwise[1].prompt_logprobs = outputs[1].prompt_logprobs
+    whole = joined(joined(pairwise[0], pairwise[1]), pairwise[2])
+    assert fields([joined_all(outputs)]) == fields([whole]) and joined_all(outputs) is outputs[2]
+
+
 def test_text_arrays_streaming_and_not():
     pieces = [(5, "He"), (6, ""), (7, "llo")]
     flags = {"return_num_output_tokens": np.array([True]), "return_finish_reason": np.array([True])}
@@ -322,9 +366,9 @@ class FakeSender:
 def response_thread(clock, send_budget, metrics=None, every_step=False):
     metrics = metrics or SimpleNamespace(record_engine=lambda stats: None, record_generated=lambda n: None,
                                          record_first_token=lambda *a: None, record_inter_token=lambda s: None,
-                                         record_token_gap=lambda s: None,
+                                         record_token_gaps=lambda gaps: None,
                                          record_finished=lambda *a: None, unpublished=False, publish=lambda n: None)
-    return ResponseThread(FakePb, queue.Queue(), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
+    return ResponseThread(FakePb, Inbox(clock), SimpleNamespace(abort=lambda request_id: None, failure=None), metrics,
                           lambda stream, outputs: text_arrays(stream, outputs, str, every_step),
                           send_budget=send_budget, every_step=every_step, clock=clock)
 
@@ -621,20 +665,39 @@ def test_a_backlog_of_samples_is_published_a_slice_per_round_until_gone():
     calls, clock = [], FakeClock()
     metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
     thread = response_thread(clock, send_budget=1.0, metrics=metrics)
-    for _ in range(SAMPLES_PER_ROUND):  # two samples each: vLLM's two inter-token histograms
-        metrics.record_token_gap(0.01)
+    metrics.record_token_gaps([0.01] * SAMPLES_PER_ROUND)  # two samples each: vLLM's two inter-token histograms
     metrics.record_generated(5)
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == SAMPLES_PER_ROUND and metrics.unpublished
     assert ("increment", "vllm:generation_tokens_total", 5) in calls  # counters and gauges go at once
     thread.handle_events([])  # the next round, without waiting for PUBLISH_INTERVAL
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND and not metrics.unpublished
-    metrics.record_token_gap(0.01)
+    metrics.record_token_gaps([0.01])
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND  # the interval again
     clock.now += PUBLISH_INTERVAL
     thread.handle_events([])
     assert len([c for c in calls if c[0] == "observe"]) == 2 * SAMPLES_PER_ROUND + 2
+
+
+def test_token_gaps_are_recorded_once_per_stream_and_step():
+    """vLLM's per-token gaps: each stream's token after its first, the time since the step of its previous one;
+    a stream's second sample in the same step adds no gap."""
+    from nanoserve.serving.stub.metrics import Metrics
+
+    calls, clock = [], FakeClock()
+    metrics = Metrics(fake_pb_with_metrics(calls), "m", "1", vllm_names=True)
+    thread = response_thread(clock, send_budget=1.0, metrics=metrics)
+    for request_id in "ab":
+        thread.handle_events([Register(request_id, Stream(FakeSender(clock, 0.0), parse(
+            text_input=text("Hi"), stream=np.array([True]), sampling_parameters=text('{"n": 2}'))))])
+    times = [1.0, 1.25, 1.75]
+    for step, time_ in enumerate(times):
+        outputs = [RequestOutput(r, [step], "x", False, None, 3, step + 1, index=i) for r in "ab" for i in (0, 1)]
+        thread.handle_events([StepResult(outputs=outputs, time=time_)])
+    metrics.publish()
+    gaps = [value for kind, name, value in calls if name == "vllm:inter_token_latency_seconds"]
+    assert sorted(gaps) == [0.25, 0.25, 0.5, 0.5]
 
 
 def test_closed_metrics_hold_no_family_or_metric():

@@ -43,3 +43,15 @@ def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     later.new_logprob_ranks = earlier.new_logprob_ranks + later.new_logprob_ranks
     later.prompt_logprobs = earlier.prompt_logprobs or later.prompt_logprobs
     return later
+
+
+def joined_all(outputs: list[RequestOutput]) -> RequestOutput:
+    """One sample's consecutive outputs as one, as `joined` one pair at a time gives it, in one pass: a server
+    keeps a stream's steps and joins them once per response."""
+    last = outputs[-1]
+    last.new_token_ids = [token_id for output in outputs for token_id in output.new_token_ids]
+    last.text_delta = "".join([output.text_delta for output in outputs])
+    last.new_logprobs = [entry for output in outputs for entry in output.new_logprobs]
+    last.new_logprob_ranks = [rank for output in outputs for rank in output.new_logprob_ranks]
+    last.prompt_logprobs = next((output.prompt_logprobs for output in outputs if output.prompt_logprobs), None)
+    return last

@@ -178,9 +178,11 @@ class Metrics:
         self._observe("ttft", ttft)
         self._count("prompt_tokens", num_prompt_tokens)
 
-    def record_token_gap(self, seconds: float) -> None:
-        """The time between a request's output token and its previous one (vLLM's inter-token latency)."""
-        self._observe("token_gap", seconds)
+    def record_token_gaps(self, gaps: list[float]) -> None:
+        """Per request of a step, the time between its output token and its previous one (vLLM's inter-token
+        latency): one call per step, not per token."""
+        for histogram in self._targets.get("token_gap", ()):
+            self._samples += [(histogram, seconds) for seconds in gaps]
 
     def record_inter_token(self, seconds: float) -> None:
         """A finished request's mean time between output tokens."""

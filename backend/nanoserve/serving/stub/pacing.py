@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from nanoserve.engine.outputs import joined
+from nanoserve.engine.outputs import joined, joined_all
 
 DEFAULT_SEND_BUDGET = 0.1
 
@@ -35,10 +35,18 @@ class Pacer:
         """The outputs of steps, in order: sent now (every_step), else pending."""
         if self.every_step:
             for outputs in step_outputs:
-                for request_id, merged in merge_into({}, outputs).items():
-                    send(request_id, merged)
-        else:
-            merge_into(self.pending, [output for outputs in step_outputs for output in outputs])
+                for request_id, request_outputs in merge_into({}, outputs).items():
+                    send(request_id, request_outputs)
+        else:  # a round's steps joined per request in one pass, then into what is pending: few objects held
+            arrived: dict[str, list] = {}
+            for outputs in step_outputs:
+                for output in outputs:
+                    queued = arrived.get(output.request_id)
+                    if queued is None:
+                        arrived[output.request_id] = [output]
+                    else:
+                        queued.append(output)
+            merge_into(self.pending, [output for outputs in arrived.values() for output in merged(outputs)])
 
     def flush(self, send: Send, urgent: Callable[[str, list], bool], force: bool = False) -> None:
         """Send the pending outputs that are due: all of them at the paced flush (or when forced), else only the
@@ -52,6 +60,17 @@ class Pacer:
             send(request_id, outputs)
         if regular and due:
             self.next_flush = start + (self.clock() - start) / self.send_budget
+
+
+def merged(outputs: list) -> list:
+    """A request's outputs, in step order, as merge_into gives them: one sample's (n = 1, the common case) joined
+    in one pass."""
+    if len(outputs) == 1:
+        return outputs
+    first = outputs[0].index
+    if any(output.index != first for output in outputs):
+        return merge_into({}, outputs)[outputs[0].request_id]
+    return [joined_all(outputs)]
 
 
 def merge_into(pending: dict, outputs) -> dict:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
@@ -24,6 +23,9 @@ from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
 from nanoserve.serving.stub.request import ParsedRequest
 from nanoserve.thread_names import set_os_thread_name
+
+if TYPE_CHECKING:
+    from nanoserve.serving.stub.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 TEXT_OUTPUT = TEXT_OUTPUTS["text_output"]
@@ -93,7 +95,7 @@ class ResponseThread:
     sends held-back text as an empty delta.
     """
 
-    def __init__(self, pb_utils, events: queue.Queue, engine_core, metrics, formatter,
+    def __init__(self, pb_utils, events: Inbox, engine_core, metrics, formatter,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
                  every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
                  ended_arrays=None):
@@ -184,16 +186,9 @@ class ResponseThread:
         return max(min(deadlines) - self.clock(), 0.0) if deadlines else None
 
     def _next_events(self, timeout: float | None) -> list:
-        """The next event (waiting at most `timeout` seconds, None: until there is one) and all queued behind it."""
-        try:
-            events = [self.events.get(timeout=timeout)] if timeout != 0 else [self.events.get_nowait()]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                events.append(self.events.get_nowait())
-            except queue.Empty:
-                return events
+        """The events queued once one wakes this thread (waiting at most `timeout` seconds, None: until one does);
+        an engine step with nothing urgent wakes it only once the pacer's next flush is due (inbox.py)."""
+        return self.events.take(timeout, None if self.pacer.every_step else self.pacer.next_flush)
 
     def _handle_steps(self, steps: list[StepResult]) -> None:
         for step in steps:
@@ -305,23 +300,27 @@ class ResponseThread:
         elif arrays is not None:
             stream.sender.send(self._response(arrays))
             stream.responded = True
+            self.events.eager.discard(request_id)
 
     def _record_timing(self, step: StepResult) -> None:
         """TTFT, and the times of the first and last tokens, from the time the engine step produced them (once per
         request and step, whatever number of its samples got a token)."""
+        gaps, now, streams = [], step.time, self.streams
         for output in step.outputs:
-            stream = self.streams.get(output.request_id)
-            if stream is None or not output.new_token_ids or stream.last_token == step.time:
+            stream = streams.get(output.request_id)
+            if stream is None or not output.new_token_ids or stream.last_token == now:
                 continue
             if stream.first_token is None:
-                stream.first_token = step.time
-                self.metrics.record_first_token(step.time - stream.arrival, output.num_prompt_tokens)
+                stream.first_token = now
+                self.metrics.record_first_token(now - stream.arrival, output.num_prompt_tokens)
             else:
-                self.metrics.record_token_gap(step.time - stream.last_token)
-            stream.last_token = step.time
+                gaps.append(now - stream.last_token)
+            stream.last_token = now
+        self.metrics.record_token_gaps(gaps)
 
     def _finish(self, request_id: str, arrays: dict) -> None:
         stream = self.streams.pop(request_id)
+        self.events.eager.discard(request_id)
         self._record_finished(stream)
         stream.sender.send(self._response(arrays), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -329,6 +328,7 @@ class ResponseThread:
         """End the request with an error (or ended_arrays); finished: the engine ended it (its metrics are
         recorded). An error about the prompt names the input the client sent it in."""
         stream = self.streams.pop(request_id, None)
+        self.events.eager.discard(request_id)
         if stream is None:
             return
         error = error.renamed({"prompt": prompt_input(stream.request.prompt)})
