@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from nanoserve.engine.outputs import joined
 from nanoserve.engine.tokenize import token_decoder
@@ -23,9 +23,6 @@ from nanoserve.serving.stub.metrics import PUBLISH_INTERVAL, SAMPLES_PER_ROUND
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET, Pacer
 from nanoserve.serving.stub.request import ParsedRequest
 from nanoserve.thread_names import set_os_thread_name
-
-if TYPE_CHECKING:
-    from nanoserve.serving.stub.inbox import Inbox
 
 logger = logging.getLogger(__name__)
 TEXT_OUTPUT = TEXT_OUTPUTS["text_output"]
@@ -92,10 +89,10 @@ class ResponseThread:
 
     The Pacer (pacing.py, send_budget and every_step) decides when outputs go; a request's first and last
     responses are urgent: time to first token and end-to-end latency never wait. With every_step the formatter
-    sends held-back text as an empty delta.
+    sends held-back text as an empty delta. `events`: the stub's Inbox (inbox.py), which imports this module.
     """
 
-    def __init__(self, pb_utils, events: Inbox, engine_core, metrics, formatter,
+    def __init__(self, pb_utils, events, engine_core, metrics, formatter,
                  cancel_check_interval: float = 0.1, send_budget: float = DEFAULT_SEND_BUDGET,
                  every_step: bool = False, clock=time.monotonic, on_engine_failure=None, shutdown_watch=None,
                  ended_arrays=None):
