@@ -87,7 +87,9 @@ def summary(outputs: dict[str, list[RequestOutput]]) -> dict:
     return samples
 
 
-def test_the_core_process_serves_what_the_engine_serves_in_process(config, tokenizer):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_core_process_serves_what_the_engine_serves_in_process(config, tokenizer, async_scheduling):
+    """The in-process engine steps synchronously; the core, with async scheduling or without, serves the same."""
     engine = LLMEngine(config)
     results = queue.Queue()
     thread = EngineThread(engine, results).start()
@@ -97,7 +99,7 @@ def test_the_core_process_serves_what_the_engine_serves_in_process(config, token
         thread.stop()
         engine.shutdown()
     results = queue.Queue()
-    client = EngineCoreClient(config, results)
+    client = EngineCoreClient(dataclasses.replace(config, async_scheduling=async_scheduling), results)
     try:
         assert client.initial_stats["num_total_blocks"] == 64
         in_core = serve(client, results, tokenizer)
@@ -110,27 +112,6 @@ def test_the_core_process_serves_what_the_engine_serves_in_process(config, token
     assert in_core["stop"][-1].finish_reason == "stop"
     assert {output.index for output in in_core["samples"]} == {0, 1}
     assert in_core["samples"][0].prompt_logprobs is not None  # on the request's first output
-
-
-def test_a_core_with_async_scheduling_serves_what_the_engine_serves_in_process(config, tokenizer):
-    engine = LLMEngine(config)
-    results = queue.Queue()
-    thread = EngineThread(engine, results).start()
-    try:
-        in_process = serve(thread, results, tokenizer)
-    finally:
-        thread.stop()
-        engine.shutdown()
-    results = queue.Queue()
-    client = EngineCoreClient(dataclasses.replace(config, async_scheduling=True), results)
-    try:
-        in_core = serve(client, results, tokenizer)
-    finally:
-        client.stop()
-    assert client.process.exitcode == 0
-    endless = in_core.pop("endless"), in_process.pop("endless")
-    assert summary(in_core) == summary(in_process)
-    assert [outputs[-1].finish_reason for outputs in endless] == ["abort", "abort"]
 
 
 def test_a_prompt_that_cannot_fit_is_rejected_in_the_stub(config, tokenizer):
