@@ -18,6 +18,7 @@ from hf_reference import hf_greedy
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kernel_cache import cache_with_kernels
 from nanoserve import SamplingParams
 from nanoserve.cache import build_once
 from nanoserve.config import EngineConfig
@@ -49,7 +50,7 @@ def gguf_files(hf_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    return cache_with_kernels(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernel_cache import cache_with_kernels
 from nanoserve import SamplingParams
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
@@ -263,7 +264,7 @@ def tiny_llama(tmp_path_factory):
     hf_dir = build_tiny_model(str(root / "hf"), "llama", seed=5, rope_scaling=None)
     files = {qtype.name: write_gguf(hf_dir, str(root / f"tiny-{qtype.name}.gguf"), "llama", qtype=qtype)
              for qtype in (T.Q4_0, T.Q8_0, T.Q4_1)}
-    return hf_dir, files, str(root / "cache")
+    return hf_dir, files, cache_with_kernels(root / "cache")
 
 
 def model_formats(llm) -> dict[str, str]:

@@ -7,6 +7,7 @@ import pytest
 from gguf_files import write_gguf
 from triton_server import nanoserve_serve
 
+from kernel_cache import cache_with_kernels
 from nanoserve import LLM, SamplingParams
 
 pytestmark = [pytest.mark.triton_server, pytest.mark.slow]
@@ -18,7 +19,8 @@ PROMPT = "Paged attention keeps"
 def test_serve_a_gguf_file_equals_the_offline_engine(qtype, weights, tmp_path, monkeypatch):
     from nanoserve.tiny_model import build_tiny_model
 
-    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path / "cache"))  # the server converts where LLM(...) does
+    # the server converts where LLM(...) does
+    monkeypatch.setenv("NANOSERVE_CACHE", cache_with_kernels(tmp_path / "cache"))
     hf_dir = build_tiny_model(str(tmp_path / "hf"), "llama", seed=5, rope_scaling=None)
     model = write_gguf(hf_dir, str(tmp_path / "tiny-llama.gguf"), "llama", qtype=qtype)
     llm = LLM(model, device="cpu", num_kvcache_blocks=64)

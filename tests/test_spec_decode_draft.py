@@ -20,6 +20,7 @@ from hf_reference import hf_greedy, hf_logprobs, hf_model
 from test_spec_decode import CHI2_9999, chi_square
 from transformers import AutoModelForCausalLM
 
+from kernel_cache import cache_with_kernels
 from nanoserve import SamplingParams
 from nanoserve.config import EngineConfig, SpeculativeConfig
 from nanoserve.models.gguf import checkpoint_dir
@@ -140,7 +141,7 @@ def test_tensor_parallel_is_refused(models):
 
 
 def test_a_gguf_draft_is_converted_as_the_target_is(models, make_llm, tmp_path, monkeypatch):
-    cache = str(tmp_path / "cache")
+    cache = cache_with_kernels(tmp_path / "cache")
     monkeypatch.setenv("NANOSERVE_CACHE", cache)  # where the file is converted
     gguf_path = write_gguf(models["target"], str(tmp_path / "target.gguf"), "qwen3")
     target, prompts = models["target"], random_prompts(seed=14)[1:3]
