@@ -37,17 +37,13 @@ def joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One sample's two consecutive outputs as one: `later`, holding `earlier`'s tokens, text and logprobs before
     its own (its counts and finish state are the latest already). Sets later's fields in place: a server joins
     outputs for every stream at every step."""
-    later.new_token_ids = earlier.new_token_ids + later.new_token_ids
-    later.text_delta = earlier.text_delta + later.text_delta
-    later.new_logprobs = earlier.new_logprobs + later.new_logprobs
-    later.new_logprob_ranks = earlier.new_logprob_ranks + later.new_logprob_ranks
-    later.prompt_logprobs = earlier.prompt_logprobs or later.prompt_logprobs
-    return later
+    return joined_all((earlier, later))
 
 
-def joined_all(outputs: list[RequestOutput]) -> RequestOutput:
-    """One sample's consecutive outputs as one, as `joined` one pair at a time gives it, in one pass: a server
-    keeps a stream's steps and joins them once per response."""
+def joined_all(outputs: list[RequestOutput] | tuple[RequestOutput, ...]) -> RequestOutput:
+    """One sample's consecutive outputs as one, the last holding every one's tokens, text and logprobs in order
+    (and the first prompt logprobs given), in one pass: a server keeps a stream's steps and joins them once per
+    response."""
     last = outputs[-1]
     last.new_token_ids = [token_id for output in outputs for token_id in output.new_token_ids]
     last.text_delta = "".join([output.text_delta for output in outputs])

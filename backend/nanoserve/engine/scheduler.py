@@ -137,7 +137,7 @@ class Scheduler:
     # ---- one step ----
     def schedule(self) -> SchedulerOutput:
         if self.scheduled:
-            self._register_scheduled()
+            self._register_step(self.scheduled[0])
         out = SchedulerOutput(self._new_token_ids, self._new_token_counts, self._finished_ids, [], [], [],
                               _NO_TOKENS, _NO_TOKENS, _NO_SAMPLES)
         self._new_token_ids, self._new_token_counts, self._finished_ids = _NO_TOKENS, _NO_TOKENS, []
@@ -345,7 +345,7 @@ class Scheduler:
         seqs = list(compress(running, samples)) if np.count_nonzero(samples) < len(running) else list(running)
         for seq, token_id in zip(seqs, sampled_token_ids.tolist()):
             seq.token_ids.append(token_id)
-        self._register_filled(out, counts)
+        self._register_filled(out, running, computed, counts)
         self._new_token_ids = sampled_token_ids
         if len(seqs) < len(running):
             num_tokens, max_num_tokens = num_tokens[samples], max_num_tokens[samples]
@@ -357,8 +357,7 @@ class Scheduler:
         a finished one's token is dropped. Returns the sequences that got tokens and which sampling rows they are
         (a mask over sampled_token_ids)."""
         step = self.scheduled.pop(0)
-        if not step.registered:
-            self._register_step(step)
+        self._register_step(step)
         samples = step.out.samples
         sampled = list(compress(step.seqs, samples)) if np.count_nonzero(samples) < len(samples) else step.seqs
         keep = np.fromiter((not seq.is_finished for seq in sampled), bool, len(sampled))
@@ -372,23 +371,12 @@ class Scheduler:
             if not sampling and seq.status is SequenceStatus.RUNNING and computed == len(seq.token_ids)]
         return SampledSeqs(seqs, num_tokens, max_num_tokens, scored), keep
 
-    def _register_scheduled(self) -> None:
-        """Async scheduling, before the next step is scheduled: the blocks the earliest scheduled step fills go
-        into the prefix cache, as update() puts them there (their tokens are known: the steps before it were
-        updated)."""
-        step = self.scheduled[0]
-        if not step.registered:
-            self._register_step(step)
-
     def _register_step(self, step: ScheduledStep) -> None:
-        step.registered = True
-        if self.block_manager.enable_prefix_caching:
-            filled = block_offset(step.computed, self.block_size) < step.out.num_scheduled_tokens
-            for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
-                seq = step.seqs[row]
-                if seq.status is SequenceStatus.RUNNING:  # (not finished or preempted since)
-                    self.block_manager.cache_full_blocks(seq, int(step.computed[row]))
-        self.prompt_tokens_computed += step.out.num_prefill_tokens
+        """Async scheduling: the blocks a scheduled step fills go into the prefix cache once, before the next step
+        is scheduled or when its tokens come, whichever is first (the tokens of the steps before it are known)."""
+        if not step.registered:
+            step.registered = True
+            self._register_filled(step.out, step.seqs, step.computed, step.out.num_scheduled_tokens)
 
     def _scored(self, samples: np.ndarray, computed: np.ndarray, num_tokens: np.ndarray) -> list[Sequence]:
         """The rows that have computed every token and sample none: max_tokens 0, its prompt scored."""
@@ -417,7 +405,7 @@ class Scheduler:
             seq.token_ids += token_ids[start:end]
         progress = out.num_scheduled_tokens.copy()
         progress[rows] -= rejected
-        self._register_filled(out, progress)
+        self._register_filled(out, running, computed, progress)
         self._new_token_ids, self._new_token_counts = sampled_token_ids, num_new_tokens
         proposed = drafts > 0
         self.spec_stats.record(drafts[proposed], (num_new_tokens - 1)[proposed])
@@ -427,13 +415,17 @@ class Scheduler:
         return SampledSeqs([seq for seq, n in zip(seqs, num_new_tokens.tolist()) for _ in range(n)], lengths,
                            np.repeat(max_num_tokens[rows], num_new_tokens), scored)
 
-    def _register_filled(self, out: SchedulerOutput, progress: np.ndarray) -> None:
-        """Register the blocks the step filled with computed KV (progress: each row's new computed tokens)."""
-        running, computed = self.running, self.columns[0, :len(self.running)]
+    def _register_filled(self, out: SchedulerOutput, seqs: list[Sequence], computed: np.ndarray,
+                         progress: np.ndarray) -> None:
+        """Register the blocks the step filled with computed KV (computed: each row's computed tokens after it,
+        progress: its new ones), of the rows still running (with async scheduling a row may have finished or been
+        preempted since its step was scheduled)."""
         if self.block_manager.enable_prefix_caching:
             filled = block_offset(computed, self.block_size) < progress  # the rows that filled a block
             for row in (filled.nonzero()[0].tolist() if np.count_nonzero(filled) else ()):
-                self.block_manager.cache_full_blocks(running[row], int(computed[row]))
+                seq = seqs[row]
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.cache_full_blocks(seq, int(computed[row]))
         self.prompt_tokens_computed += out.num_prefill_tokens
 
     def preempt_all(self) -> None:
