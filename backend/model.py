@@ -15,11 +15,13 @@ or "tokens" (the ensemble's token-level engine: input_ids -> output_ids + decode
 `send_budget` and `send_every_step` choose how streams are sent, `REPORT_CUSTOM_METRICS` adds the vllm:* metrics
 (docs/serving.md).
 
-execute() only parses, validates, tokenizes and enqueues. The engine thread owns the LLMEngine and steps the
+execute() only queues each request for the intake thread, which parses, validates and tokenizes the requests
+waiting and hands them on (serving/stub/intake.py). The engine thread owns the LLMEngine and steps the
 continuous batch, in this process or (config.pbtxt parameter `engine_core_process`) in an engine core process of
 its own (serving/stub/engine_core.py); the response thread sends every response, sweeps for cancelled requests and
 updates the metrics.
 """
+import copy
 import faulthandler
 import gc
 import itertools
@@ -36,9 +38,10 @@ from nanoserve.serving.stub.request import parse_request
 from nanoserve.serving.stub.control import Drain, control_event
 from nanoserve.serving.stub.engine_thread import EngineInProcess
 from nanoserve.serving.stub.inbox import Inbox
+from nanoserve.serving.stub.intake import Admission, Intake
 from nanoserve.serving.stub.metrics import Metrics
 from nanoserve.serving.stub.pacing import DEFAULT_SEND_BUDGET
-from nanoserve.serving.stub.responses import Register, Reject, ResponseThread, Stream, text_formatter
+from nanoserve.serving.stub.responses import Reject, ResponseThread, Stream, text_formatter
 from nanoserve.serving.stub.shutdown import ServerArgs, ShutdownWatch
 
 logger = logging.getLogger(__name__)
@@ -142,43 +145,41 @@ class TritonPythonModel:
                                         shutdown_watch=self.shutdown_watch, ended_arrays=ended_arrays).start()
         self._request_ids = itertools.count()
         self.draining = False  # a drain control came: every new request is refused
+        # the intake's own tokenizer: a Rust tokenizer used from two threads at once fails ("Already borrowed")
+        self.intake = Intake(self._admit, self.events, self.engine_core, copy.deepcopy(self.engine_core.tokenizer),
+                             self.engine_core.max_prompt_bytes)
 
     def execute(self, requests):
         for request in requests:
-            self._enqueue(request)
+            self.intake.put(request)
         return None
 
-    def _enqueue(self, request) -> None:
+    def _admit(self, request, arrival: float):
+        """The intake's parser (serving/stub/intake.py): one request -> an Admission, or the event that answers
+        it (a control, a rejection). Never raises: a bad request fails alone."""
         sender = request.get_response_sender()
         failure = self.engine_core.failure
         if failure is not None:
-            self.events.put(Reject(sender, RequestError(None, UNAVAILABLE + failure, ErrorKind.UNAVAILABLE)))
-            return
+            return Reject(sender, RequestError(None, UNAVAILABLE + failure, ErrorKind.UNAVAILABLE))
         try:
             control = control_event(request.parameters(), sender, self.responses.clock())
             if control is not None:
                 self.draining = self.draining or isinstance(control, Drain)
-                self.events.put(control)
-                return
+                return control
             if self.draining:
-                self.events.put(Reject(sender, RequestError(None, "the server is shutting down: the model takes no "
-                                                               "new request", ErrorKind.UNAVAILABLE)))
-                return
+                return Reject(sender, RequestError(None, "the server is shutting down: the model takes no new "
+                                                         "request", ErrorKind.UNAVAILABLE))
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
             parsed = parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
                                    tokens=self.mode == "tokens", max_model_len=self.max_model_len)
         except ValueError as e:
-            self.events.put(Reject(sender, RequestError.of(e)))
-            return
+            return Reject(sender, RequestError.of(e))
         except Exception as e:  # a parser bug must fail this request only, never the rest of the batch
             logger.exception("nanoserve: parsing a request failed")
-            self.events.put(Reject(sender, RequestError(None, f"internal error: parsing the request failed "
-                                                              f"({type(e).__name__})", ErrorKind.INTERNAL)))
-            return
+            return Reject(sender, RequestError(None, f"internal error: parsing the request failed "
+                                                     f"({type(e).__name__})", ErrorKind.INTERNAL))
         request_id = f"{self.name}-{next(self._request_ids)}"
-        stream = Stream(sender, parsed, triton_request_id=request.request_id())
-        self.events.put(Register(request_id, stream))  # before the engine can answer
-        self.engine_core.add(request_id, parsed.prompt, parsed.sampling_params)
+        return Admission(request_id, Stream(sender, parsed, arrival=arrival, triton_request_id=request.request_id()))
 
     def _unload_failed_model(self, failure: str) -> None:
         """The health check (vllm_backend's ENABLE_VLLM_HEALTH_CHECK, always on): a failed engine unloads its
@@ -199,6 +200,7 @@ class TritonPythonModel:
     def finalize(self):
         if self.shutdown_watch is not None:
             self.shutdown_watch.stop()
+        self.intake.stop()  # enters what execute() queued: the response thread answers every request it registers
         self.engine_core.stop()
         self.responses.stop()  # ends every request still in flight with a FINAL response
         self.metrics.close()  # see serving/stub/metrics.py: a family left for the stub's teardown crashes it

@@ -31,18 +31,37 @@ def max_prompt_bytes(tokenizer, max_model_len: int) -> int:
 
 
 def check_prompt_bytes(text: str, max_bytes: int | None) -> None:
+    error = prompt_bytes_error(text, max_bytes)
+    if error is not None:
+        raise error
+
+
+def prompt_bytes_error(text: str, max_bytes: int | None) -> RequestError | None:
+    """The error that rejects a text too long to fit max_model_len; None for one that may fit."""
     if max_bytes is None:
-        return
+        return None
     size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise RequestError("prompt", f"{size} bytes of text cannot fit max_model_len (at most {max_bytes} bytes for "
-                         f"this tokenizer); rejected without tokenizing")
+    if size <= max_bytes:
+        return None
+    return RequestError("prompt", f"{size} bytes of text cannot fit max_model_len (at most {max_bytes} bytes for "
+                                  f"this tokenizer); rejected without tokenizing")
 
 
 def encode_prompt_text(tokenizer, text: str, max_bytes: int | None = None) -> list[int]:
     """max_bytes (max_prompt_bytes): reject a longer text with a ValueError naming the prompt, untokenized."""
     check_prompt_bytes(text, max_bytes)
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def encode_prompt_texts(tokenizer, texts: list[str], max_bytes: int | None) -> list[list[int] | RequestError]:
+    """encode_prompt_text of each text, in one call to the tokenizer (a fast tokenizer encodes a batch without
+    holding the GIL); a text that cannot fit gets its RequestError in its place (made, never raised: a caught
+    exception's traceback would hold this frame, and with it every text, until the cycle collector runs)."""
+    results = [prompt_bytes_error(text, max_bytes) for text in texts]
+    fitting = [text for text, result in zip(texts, results) if result is None]
+    encoded = iter(tokenizer(fitting, add_special_tokens=True, return_attention_mask=False)["input_ids"]
+                   if fitting else ())
+    return [next(encoded) if result is None else result for result in results]
 
 
 def token_decoder(tokenizer):

@@ -14,7 +14,6 @@ that dies closes the command pipe, and the core exits.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import multiprocessing as mp
 import queue
@@ -27,7 +26,7 @@ from nanoserve.engine.executor import use_a_python_executable
 from nanoserve.engine.tokenize import max_prompt_bytes
 from nanoserve.errors import RequestError
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.serving.stub.engine_thread import EngineThread, StepResult, tokenized
+from nanoserve.serving.stub.engine_thread import EngineThread, StepResult
 from nanoserve.thread_names import set_os_thread_name
 
 logger = logging.getLogger(__name__)
@@ -132,7 +131,6 @@ class EngineCoreClient:
 
         self.results = results
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)  # (for the response thread's formatter)
-        self._tokenizer = copy.deepcopy(self.tokenizer)  # this one is the caller's (execute()'s) thread's
         self.max_prompt_bytes = max_prompt_bytes(self.tokenizer, config.max_model_len)
         self._failure: str | None = None
         self._stopping = False  # stop() was called: the core's end is no failure
@@ -148,12 +146,8 @@ class EngineCoreClient:
         """Why the engine can serve no more (None while it can)."""
         return self._failure
 
-    def add(self, request_id: str, prompt, sampling_params: SamplingParams) -> None:
-        """Tokenize a text prompt here, on the caller's thread (a long prompt stalls only its own request), and
-        queue the request in the core; one that cannot fit is rejected with a StepResult of its own."""
-        prompt_ids = tokenized(self._tokenizer, request_id, prompt, self.max_prompt_bytes, self.results)
-        if prompt_ids is not None:
-            self._send(Add(request_id, prompt_ids, sampling_params))
+    def add(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams) -> None:
+        self._send(Add(request_id, prompt_ids, sampling_params))
 
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))

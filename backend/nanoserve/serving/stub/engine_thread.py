@@ -9,7 +9,6 @@ the engine has failed (`failure`): every request in flight ends with UNAVAILABLE
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import queue
 import threading
@@ -18,7 +17,6 @@ import traceback
 from dataclasses import dataclass, field
 
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.tokenize import encode_prompt_text
 from nanoserve.errors import RequestError
 from nanoserve.thread_names import set_os_thread_name
 
@@ -152,18 +150,6 @@ class EngineThread:
                 result.failed.append((request_id, f"internal error: {e}"))
 
 
-def tokenized(tokenizer, request_id: str, prompt, max_prompt_bytes: int, results: queue.Queue) -> list[int] | None:
-    """A request's prompt as token ids, tokenized on the caller's thread (a long prompt stalls only its own
-    request); None for one that cannot fit, which gets a StepResult of its own in results."""
-    if not isinstance(prompt, str):
-        return list(prompt)
-    try:
-        return encode_prompt_text(tokenizer, prompt, max_prompt_bytes)
-    except ValueError as e:
-        results.put(StepResult(rejected=[(request_id, RequestError.of(e))]))
-        return None
-
-
 class EngineInProcess:
     """The engine on an EngineThread of the stub's own process, with EngineCoreClient's interface: the stub's
     default (config.pbtxt parameter engine_core_process)."""
@@ -173,6 +159,7 @@ class EngineInProcess:
 
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer  # (for the response thread's formatter)
+        self.max_prompt_bytes = self.engine.max_prompt_bytes
         try:
             for name, path in (adapters or {}).items():
                 self.engine.add_lora(name, path)
@@ -180,7 +167,6 @@ class EngineInProcess:
             self.engine.shutdown()
             raise RuntimeError(str(e)) from None
         self.results = results
-        self._tokenizer = copy.deepcopy(self.tokenizer)  # this one is the caller's (execute()'s) thread's
         self.initial_stats = self.engine.stats()
         self._thread = EngineThread(self.engine, results).start()
 
@@ -188,10 +174,8 @@ class EngineInProcess:
     def failure(self) -> str | None:
         return self._thread.failure
 
-    def add(self, request_id: str, prompt, sampling_params) -> None:
-        prompt_ids = tokenized(self._tokenizer, request_id, prompt, self.engine.max_prompt_bytes, self.results)
-        if prompt_ids is not None:
-            self._thread.add(request_id, prompt_ids, sampling_params)
+    def add(self, request_id: str, prompt_ids: list[int], sampling_params) -> None:
+        self._thread.add(request_id, prompt_ids, sampling_params)
 
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)
