@@ -162,7 +162,8 @@ class TritonPythonModel:
         if failure is not None:
             return Reject(sender, RequestError(None, UNAVAILABLE + failure, ErrorKind.UNAVAILABLE))
         try:
-            control = control_event(request.parameters(), sender, self.responses.clock())
+            parameters = request.parameters()  # (a JSON text the stub builds at each call)
+            control = control_event(parameters, sender, self.responses.clock())
             if control is not None:
                 self.draining = self.draining or isinstance(control, Drain)
                 return control
@@ -170,7 +171,7 @@ class TritonPythonModel:
                 return Reject(sender, RequestError(None, "the server is shutting down: the model takes no new "
                                                          "request", ErrorKind.UNAVAILABLE))
             inputs = {tensor.name(): tensor for tensor in request.inputs()}  # pb_utils looks up by a linear scan
-            parsed = parse_request(lambda name: _as_numpy(inputs, name), request.parameters(),
+            parsed = parse_request(lambda name: _as_numpy(inputs, name), parameters,
                                    tokens=self.mode == "tokens", max_model_len=self.max_model_len)
         except ValueError as e:
             return Reject(sender, RequestError.of(e))
