@@ -107,3 +107,64 @@ def test_a_tokenizer_that_fails_fails_those_requests_only():
     rejected = [event.rejected for kind, event, *_ in recorder.seen if isinstance(event, StepResult)]
     assert [[(request_id, error.kind) for request_id, error in r] for r in rejected] == [[("text", ErrorKind.INTERNAL)]]
     assert [entry[1] for entry in recorder.seen if entry[0] == "add"] == ["ids", "later"]
+
+
+def expected_entries(item, tokenizer, max_bytes: int) -> list:
+    """What one admit answer becomes, alone: an event as it is, or Register then the engine's add (or, for a text
+    that cannot fit, Register then its rejection)."""
+    if not isinstance(item, Admission):
+        return [("event", item)]
+    prompt = item.stream.request.prompt
+    ids = prompt if not isinstance(prompt, str) else outcome(tokenizer, prompt, max_bytes)
+    register = ("register", item.request_id)
+    if isinstance(ids, RequestError):
+        return [register, ("rejected", item.request_id, str(ids))]
+    return [register, ("add", item.request_id, list(ids))]
+
+
+def observed(seen: list) -> list:
+    entries = []
+    for kind, event, *rest in seen:
+        if kind == "add":
+            entries.append(("add", event, list(rest[0])))
+        elif isinstance(event, Register):
+            entries.append(("register", event.request_id))
+        elif isinstance(event, StepResult):
+            entries += [("rejected", request_id, str(error)) for request_id, error in event.rejected]
+        else:
+            entries.append(("event", event))
+    return entries
+
+
+answers = st.one_of(
+    st.builds(lambda text: ("text", text), st.text(min_size=1, max_size=60)),
+    st.builds(lambda n: ("huge", n), st.integers(1, 3)),
+    st.builds(lambda ids: ("ids", ids), st.lists(st.integers(0, 500), min_size=1, max_size=8)),
+    st.just(("reject", None)), st.just(("drain", None)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kinds=st.lists(answers, max_size=12), cuts=st.lists(st.integers(0, 12), max_size=4))
+def test_any_batching_hands_on_each_request_in_arrival_order(tokenizer, max_bytes, kinds, cuts):
+    """Requests split into batches however the intake happens to take them: every request's entries, in arrival
+    order, are those it gets alone."""
+    items = []
+    for index, (kind, value) in enumerate(kinds):
+        if kind == "text":
+            items.append(admission(f"r{index}", value))
+        elif kind == "huge":
+            items.append(admission(f"r{index}", "é" * (value * max_bytes)))
+        elif kind == "ids":
+            items.append(admission(f"r{index}", value))
+        elif kind == "reject":
+            items.append(Reject(f"r{index}", RequestError("top_p", "bad")))
+        else:
+            items.append(Drain(f"r{index}", float(index)))
+    recorder = Recorder()
+    intake = Intake(lambda request, arrival: request, recorder, recorder, tokenizer, max_bytes)
+    bounds = sorted({0, len(items), *(cut for cut in cuts if cut <= len(items))})
+    for start, end in zip(bounds, bounds[1:]):
+        intake.enter([(item, 0.0) for item in items[start:end]])
+    intake.stop()
+    assert observed(recorder.seen) == [entry for item in items for entry in expected_entries(item, tokenizer,
+                                                                                              max_bytes)]

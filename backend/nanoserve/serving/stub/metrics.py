@@ -181,8 +181,7 @@ class Metrics:
     def record_token_gaps(self, gaps: list[float]) -> None:
         """Per request of a step, the time between its output token and its previous one (vLLM's inter-token
         latency): one call per step, not per token."""
-        for histogram in self._targets.get("token_gap", ()):
-            self._samples += [(histogram, seconds) for seconds in gaps]
+        self._observe("token_gap", *gaps)
 
     def record_inter_token(self, seconds: float) -> None:
         """A finished request's mean time between output tokens."""
@@ -208,8 +207,8 @@ class Metrics:
             for counter in self._targets.get(quantity, ()):
                 self._increments[counter] = self._increments.get(counter, 0) + increment
 
-    def _observe(self, quantity: str, value) -> None:
-        self._samples += [(histogram, value) for histogram in self._targets.get(quantity, ())]
+    def _observe(self, quantity: str, *values) -> None:
+        self._samples += [(histogram, value) for histogram in self._targets.get(quantity, ()) for value in values]
 
     @property
     def unpublished(self) -> bool:
