@@ -5,7 +5,8 @@
 A step's linears: --layers decoder layers of qkv [960, 576], o [576, 576], gate_up [3072, 576], down [576, 1536],
 each layer's weights its own (as in the model: what one step reads does not sit in a cache), then the LM head
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
-and int4 CPU kernels (with float32 and with bfloat16 activations), int8 weights with each activation row
+and int4 CPU kernels (with float32 and with bfloat16 activations), nanoserve's int4 kernel (cpu_ops.cpp's
+int4_linear, where the CPU has AMX and VNNI: ChunkedInt4Weight), int8 weights with each activation row
 quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
 int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
 oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
@@ -26,7 +27,8 @@ import torch
 import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
 from nanoserve.kernels.cpu_ops import cpu_op
 from nanoserve.layers.linear import linear, pack_weight
-from nanoserve.layers.quantization import KERNEL_DTYPE, GroupQuantized, Int4Weight, Int8Weight
+from nanoserve.layers.quantization import (KERNEL_DTYPE, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
+                                           int4_kernel_works)
 
 HIDDEN, INTERMEDIATE, VOCAB, QKV = 576, 1536, 49152, 960
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -66,6 +68,12 @@ def int4_matmul(weight):
     return lambda x: quantized.linear(x, None)
 
 
+def chunked_int4_matmul(weight):
+    """nanoserve's int4 kernel (ChunkedInt4Weight: cpu_ops.cpp's int4_linear, where the CPU has AMX and VNNI)."""
+    quantized = ChunkedInt4Weight.from_groups(GroupQuantized.from_float(weight))
+    return lambda x: quantized.linear(x, None)
+
+
 def w8a_matmul(digits: int):
     def make(weight):
         quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
@@ -88,6 +96,7 @@ FORMATS = {
     "int8 weight-only, bf16 activations": int8_matmul,
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
     "int4 weight-only, group 32, bf16 activations": int4_matmul,
+    "int4, group 32, int4_linear (VNNI up to 4 rows, AMX above)": chunked_int4_matmul,
     "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
     "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,
@@ -125,8 +134,9 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", default=[], help="leave out the formats whose name contains one of these")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    skip = [*args.skip, *([] if int4_kernel_works() else ["int4_linear"])]
     steps = {name: build_step(make, args.layers) for name, make in FORMATS.items()
-             if not any(word in name for word in args.skip)}
+             if not any(word in name for word in skip)}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); CPU ms per step, median of {args.rounds}")
     print("| format | " + " | ".join(f"{rows} rows: ms (x fp32)" for rows in args.rows) + " |")
     print("| --- |" + " ---: |" * len(args.rows))

@@ -6,6 +6,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -556,6 +560,234 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, con
   return out;
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512BW__) && defined(__AVX512DQ__)
+// 4-bit weights in groups of kGroup inputs, w = q * scale + offset (q in [0, 15]), float32 scale and offset per
+// group. A row's codes are packed two a byte in chunks of kChunk (reference.pack_int4_chunks): byte b of chunk c
+// holds code kChunk c + b in its low nibble and code kChunk c + kGroup + b in its high one, so that one 32-byte load
+// holds a chunk's two groups in order. Two kernels read that layout (torch's int4 kernel instead reads and
+// dequantizes the weight again for every row of x):
+// - int4_linear_amx, for many rows: each group of 16 output channels is dequantized once per pass (64 rows of x)
+//   to bfloat16 in a 1 KB tile (AMX's A operand: channels x kGroup inputs) and multiplied into every block of 16
+//   rows of x (the B operand, rearranged once per call into AMX's pairs layout), float32 sums in the C tiles;
+// - int4_linear_vnni, for few rows: x as int16 codes in two int8 digits (quantize_row), VNNI's u8 x s8 dot products
+//   of the codes as they are, each group's integer sum scaled as it is made; the offsets' part, offset times the
+//   group's code sum, is one small float GEMM beside.
+constexpr int64_t kGroup = 32;     // inputs per group, and per tile product (16 pairs of bfloat16)
+constexpr int64_t kChunk = 2 * kGroup;
+constexpr int64_t kTile = 16;      // channels per A tile, rows of x per B tile
+constexpr int64_t kTokenBlocks = 4;  // C tiles (tmm2..tmm5): 64 rows of x per pass over the weight
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// every tile 16 rows of 64 bytes: tmm0 A (16 channels x 32 bfloat16), tmm1 B (16 pairs x 16 rows of x x 2
+// bfloat16), tmm2..5 C (16 channels x 16 rows of x, float32)
+inline void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t < 2 + kTokenBlocks; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// Linux gives a process AMX's tile state only once asked (as oneDNN asks for torch's own AMX kernels)
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// group g of one channel (its codes: the channel's packed row) as 32 bfloat16 weights, stored at out
+inline void dequantize_group(c10::BFloat16* out, const uint8_t* codes, int64_t g, float scale, float offset) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + g / 2 * kGroup));
+  const __m256i group = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(0x0F));
+  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
+  const __m512 first = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(group))), s, o);
+  const __m512 second =
+      _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(group, 1))), s, o);
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(second, first));  // first in the low half
+}
+
+// x [rows, k] as bfloat16 B tiles: for each group g and block of 16 rows b, 16 pairs p x 16 rows t x 2, x[t][32 g +
+// 2 p + e] at ((g * blocks + b) * 16 + p) * 32 + 2 t + e; rows past the end are zeros
+std::vector<c10::BFloat16> pair_tiles(const c10::BFloat16* x, int64_t rows, int64_t k, int64_t blocks) {
+  std::vector<c10::BFloat16> tiles(k / kGroup * blocks * kTile * 2 * kTile, c10::BFloat16(0.f));
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t g = i / kGroup, p = (i % kGroup) / 2, b = t / kTile;
+      tiles[((g * blocks + b) * kTile + p) * 2 * kTile + 2 * (t % kTile) + i % 2] = x[t * k + i];
+    }
+  return tiles;
+}
+
+// sums [rows, n] for 16 channels from j (codes, scale, offset: theirs) and up to kTokenBlocks blocks of x's rows
+void amx_channel_block(float* sums, int64_t n, int64_t rows, int64_t blocks, const c10::BFloat16* tiles,
+                       const uint8_t* codes, const float* scale, const float* offset, int64_t k) {
+  alignas(64) c10::BFloat16 weights[kTile * kGroup];
+  alignas(64) float out[kTile * kTile];
+  const int64_t groups = k / kGroup;
+  _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t c = 0; c < kTile; ++c)
+      dequantize_group(weights + c * kGroup, codes + c * (k / 2), g, scale[c * groups + g], offset[c * groups + g]);
+    _tile_loadd(0, weights, 64);
+    const c10::BFloat16* b = tiles + g * blocks * kTile * 2 * kTile;
+    // (tile numbers are immediates: one case per C tile)
+    _tile_loadd(1, b, 64); _tile_dpbf16ps(2, 0, 1);
+    if (blocks > 1) { _tile_loadd(1, b + 1 * kTile * 2 * kTile, 64); _tile_dpbf16ps(3, 0, 1); }
+    if (blocks > 2) { _tile_loadd(1, b + 2 * kTile * 2 * kTile, 64); _tile_dpbf16ps(4, 0, 1); }
+    if (blocks > 3) { _tile_loadd(1, b + 3 * kTile * 2 * kTile, 64); _tile_dpbf16ps(5, 0, 1); }
+  }
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    switch (blk) {
+      case 0: _tile_stored(2, out, 64); break;
+      case 1: _tile_stored(3, out, 64); break;
+      case 2: _tile_stored(4, out, 64); break;
+      default: _tile_stored(5, out, 64);
+    }
+    for (int64_t t = 0; t < kTile && blk * kTile + t < rows; ++t)
+      for (int64_t c = 0; c < kTile; ++c) sums[(blk * kTile + t) * n + c] = out[c * kTile + t];
+  }
+}
+
+// int4_linear_ref with x rounded to bfloat16, the weight dequantized to bfloat16, float32 sums
+at::Tensor int4_linear_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset) {
+  TORCH_CHECK(amx_permitted(), "int4_linear: this process may not use AMX (arch_prctl XTILEDATA refused)");
+  const auto x = x_in.to(at::kBFloat16).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kGroup;
+  auto sums = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float *sc = scale.data_ptr<float>(), *of = offset.data_ptr<float>();
+  for (int64_t first_row = 0; first_row < rows; first_row += kTokenBlocks * kTile) {
+    const int64_t pass_rows = std::min(kTokenBlocks * kTile, rows - first_row);
+    const int64_t blocks = (pass_rows + kTile - 1) / kTile;
+    const auto tiles = pair_tiles(x.data_ptr<c10::BFloat16>() + first_row * k, pass_rows, k, blocks);
+    float* out = sums.data_ptr<float>() + first_row * n;
+    at::parallel_for(0, n / kTile, 4, [&](int64_t begin, int64_t end) {
+      load_tile_config();
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t j = blk * kTile;
+        amx_channel_block(out + j, n, pass_rows, blocks, tiles.data(), w + j * (k / 2), sc + j * groups,
+                          of + j * groups, k);
+      }
+      _tile_release();
+    });
+  }
+  return sums;
+}
+
+constexpr int64_t kVnniRows = 4;  // rows per pass of int4_linear_vnni: 4 x 2 accumulators, 2 weight and 2 scale vectors
+constexpr int64_t kInt4VnniMaxRows = 4;  // more rows: int4_linear_amx (client/bench_quant.py)
+
+inline __m512i unpack_chunk(const uint8_t* packed) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+// out[r * n + c] += sum over groups of scale * (256 q . hi + q . lo), for R rows of digits (hi, lo: [R, k]) and C
+// output channels (packed: [C, k / 2], scale: [C, k / kGroup]); a dot product's lanes 0-7 sum a chunk's first
+// group, 8-15 its second
+template <int64_t R, int64_t C>
+void vnni_int4_block(float* out, int64_t n, const int8_t* hi, const int8_t* lo, const uint8_t* packed,
+                     const float* scale, int64_t k) {
+  __m512 acc[R][C];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t groups = k / kGroup;
+  for (int64_t i = 0; i < k; i += kChunk) {
+    __m512i wv[C];
+    __m512 sv[C];
+    for (int64_t c = 0; c < C; ++c) {
+      wv[c] = unpack_chunk(packed + c * (k / 2) + i / 2);
+      const float* s = scale + c * groups + i / kGroup;
+      sv[c] = _mm512_insertf32x8(_mm512_set1_ps(s[0]), _mm256_set1_ps(s[1]), 1);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512i h = _mm512_loadu_si512(hi + r * k + i), l = _mm512_loadu_si512(lo + r * k + i);
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512i high = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], h), 8);
+        const __m512i sums = _mm512_dpbusd_epi32(high, wv[c], l);  // 256 q . hi + q . lo, per half group
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), sv[c], acc[r][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) out[r * n + c] += _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int64_t C>
+void vnni_int4_channels(float* out, int64_t n, const int8_t* hi, const int8_t* lo, int64_t rows,
+                        const uint8_t* packed, const float* scale, int64_t k) {
+  for (int64_t r = 0; r < rows; r += kVnniRows) {
+    float* o = out + r * n;
+    const int8_t *h = hi + r * k, *l = lo + r * k;
+    switch (std::min(kVnniRows, rows - r)) {
+      case 1: vnni_int4_block<1, C>(o, n, h, l, packed, scale, k); break;
+      case 2: vnni_int4_block<2, C>(o, n, h, l, packed, scale, k); break;
+      case 3: vnni_int4_block<3, C>(o, n, h, l, packed, scale, k); break;
+      default: vnni_int4_block<4, C>(o, n, h, l, packed, scale, k);
+    }
+  }
+}
+
+// int4_linear_ref with x quantized per row to int16 codes instead (quantize_rows_ref, digits=2): row scale * (sum
+// over groups of scale * codes . q + offset * the group's code sum)
+at::Tensor int4_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                            const at::Tensor& offset) {
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kGroup;
+  auto digits = at::empty({2, rows, k}, x.options().dtype(at::kChar));
+  int8_t *hi = digits.data_ptr<int8_t>(), *lo = hi + rows * k;
+  auto code_sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));  // exact: |sum| < 2^21
+  std::vector<float> row_scale(rows), buf(k);
+  DISPATCH_FLOATS(x.scalar_type(), "int4_linear", [&] {
+    for (int64_t r = 0; r < rows; ++r) {
+      row_scale[r] = quantize_row<0>(hi + r * k, lo + r * k, x.data_ptr<scalar_t>() + r * k, buf.data(), k, 2);
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) sum += 256 * hi[r * k + i] + lo[r * k + i];
+        code_sums.data_ptr<float>()[r * groups + g] = static_cast<float>(sum);
+      }
+    }
+  });
+  auto sums = at::mm(code_sums, offset.t()).contiguous();  // the offsets' part, [T, N]
+  float* s = sums.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sc = scale.data_ptr<float>();
+  at::parallel_for(0, n / 2, 16, [&](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p)
+      vnni_int4_channels<2>(s + 2 * p, n, hi, lo, rows, w + 2 * p * (k / 2), sc + 2 * p * groups, k);
+  });
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < n; ++j) s[r * n + j] *= row_scale[r];
+  return sums;
+}
+
+// int4_linear_ref: x [T, K] @ the 4-bit weight packed [N, K / 2] (pack_int4_chunks) with float32 scale and offset
+// [N, K / 32], in x's dtype: up to kInt4VnniMaxRows rows by int4_linear_vnni, more by int4_linear_amx. K: a
+// multiple of 64; N: of 16.
+at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
+                       const at::Tensor& offset_in) {
+  TORCH_CHECK(x_in.dim() == 2 && packed_in.dim() == 2 && packed_in.scalar_type() == at::kByte &&
+              x_in.size(1) % kChunk == 0 && packed_in.size(1) * 2 == x_in.size(1) && packed_in.size(0) % kTile == 0 &&
+              scale_in.scalar_type() == at::kFloat && offset_in.scalar_type() == at::kFloat &&
+              scale_in.sizes() == offset_in.sizes() && scale_in.dim() == 2 &&
+              scale_in.size(0) == packed_in.size(0) && scale_in.size(1) * kGroup == x_in.size(1),
+              "x: [T, K], K a multiple of 64; packed: [N, K / 2] uint8, N a multiple of 16; scale, offset: [N, K / 32] "
+              "float32");
+  const auto x = x_in.contiguous(), packed = packed_in.contiguous();
+  const auto scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  const auto sums = x.size(0) <= kInt4VnniMaxRows ? int4_linear_vnni(x, packed, scale, offset)
+                                                  : int4_linear_amx(x, packed, scale, offset);
+  return sums.to(x_in.scalar_type());
+}
+#define NANOSERVE_INT4_LINEAR 1
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
@@ -568,4 +800,7 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
+#ifdef NANOSERVE_INT4_LINEAR
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor", &int4_linear);
+#endif
 }

@@ -185,6 +185,54 @@ def dequantize_int4_groups(packed: torch.Tensor, scale: torch.Tensor, offset: to
     return codes.float() * scale.float().repeat_interleave(group, 1) + offset.float().repeat_interleave(group, 1)
 
 
+INT4_CHUNK = 64  # pack_int4_chunks' chunk: two groups of 32 codes
+
+
+def pack_int4_chunks(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 in [0, 15], K a multiple of INT4_CHUNK) -> [N, K / 2] uint8, chunk by chunk: byte
+    b of chunk c holds code 64 c + b in its low nibble and code 64 c + 32 + b in its high one (the layout of
+    cpu_ops.cpp's int4_linear: one 32-byte load holds a chunk's two groups of 32 codes in order)."""
+    halves = codes.reshape(codes.shape[0], -1, 2, INT4_CHUNK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def unpack_int4_chunks(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4_chunks' inverse: [N, K / 2] uint8 -> codes [N, K] uint8."""
+    chunks = packed.reshape(packed.shape[0], -1, INT4_CHUNK // 2)
+    return torch.stack([chunks & 0xF, chunks >> 4], dim=2).reshape(packed.shape[0], -1)
+
+
+def int4_linear_bf16_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                         offset: torch.Tensor) -> torch.Tensor:
+    """cpu_ops.cpp's int4_linear for more than 4 rows: x [T, K] @ the 4-bit weight^T (pack_int4_chunks codes,
+    w = q * scale + offset per group of K / scale.shape[1] inputs), both rounded to bfloat16 (the weight after
+    dequantizing), summed in float64; in x's dtype."""
+    weight = dequantize_int4_chunks(packed, scale, offset)
+    as_bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    return (as_bf16(x) @ as_bf16(weight).T).to(x.dtype)
+
+
+def int4_linear_int16_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                          offset: torch.Tensor) -> torch.Tensor:
+    """cpu_ops.cpp's int4_linear for up to 4 rows: x [T, K] quantized per row to int16 codes (quantize_rows_ref,
+    digits=2) @ the exact 4-bit weight^T: per group the integer sum of codes x q times the group's scale, plus its
+    offset times the group's code sum, times the row's scale; in float64, then x's dtype."""
+    codes, row_scale = quantize_rows_ref(x, 2)
+    q = unpack_int4_chunks(packed).double()
+    rows, groups = codes.shape[0], scale.shape[1]
+    codes = codes.double().reshape(rows, 1, groups, -1)
+    per_group = (codes * q.reshape(1, q.shape[0], groups, -1)).sum(-1)  # [T, N, groups], exact
+    y = (per_group * scale.double()).sum(-1) + codes.sum(-1)[:, 0] @ offset.double().T
+    return (y * row_scale.double()[:, None]).to(x.dtype)
+
+
+def dequantize_int4_chunks(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of pack_int4_chunks codes: codes * scale + offset of each code's group."""
+    codes = unpack_int4_chunks(packed)
+    group = codes.shape[1] // scale.shape[1]
+    return codes.float() * scale.float().repeat_interleave(group, 1) + offset.float().repeat_interleave(group, 1)
+
+
 def int8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (codes [N, K] int8 * scale [N])^T in x's dtype: the weight dequantized, then F.linear."""
     return F.linear(x, (codes.float() * scale.float()[:, None]).to(x.dtype))

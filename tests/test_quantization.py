@@ -18,9 +18,11 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import TOP_CODE, quantize_rows_ref, split_digits, w8a8_linear_ref
-from nanoserve.layers.quantization import (ACTIVATION_DIGITS, GroupQuantized, Int4Weight, Int8Weight, exact_int8_gemm,
-                                           runs_w8a8)
+from nanoserve.kernels.reference import (TOP_CODE, dequantize_int4_chunks, int4_linear_bf16_ref, int4_linear_int16_ref,
+                                        pack_int4_chunks, quantize_rows_ref, split_digits, unpack_int4_chunks,
+                                        w8a8_linear_ref)
+from nanoserve.layers.quantization import (ACTIVATION_DIGITS, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
+                                           cpu_int4_weight, exact_int8_gemm, int4_kernel_works, runs_w8a8)
 from nanoserve.models.gguf import group_quantized
 from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
 
@@ -415,8 +417,8 @@ def test_tp2_quantizes_each_shard_as_tp1_does(tiny_llama, qtype, quantization, m
     single.shutdown()
     executor = Executor(make_config(model, tensor_parallel_size=2, quantization=quantization))
     try:
-        assert isinstance(executor.runner.model.model.layers[0].mlp.down_proj.packed_weight,
-                          Int4Weight if quantization == "auto" else Int8Weight)
+        down_proj = executor.runner.model.model.layers[0].mlp.down_proj.packed_weight
+        assert down_proj.name == ("int4" if quantization == "auto" else "int8")
         got = _steps(AllRanks(executor))
     finally:
         executor.shutdown()
@@ -447,3 +449,61 @@ def test_auto_keeps_float_weights_on_cuda_until_asked_by_name():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert [on_device(q, cpu) for q in ("auto", "none", "int8", "int4")] == ["auto", "none", "int8", "int4"]
     assert [on_device(q, cuda) for q in ("auto", "none", "int8", "int4")] == ["none", "none", "int8", "int4"]
+
+
+# ---- nanoserve's int4 kernel (cpu_ops.cpp's int4_linear: VNNI for up to 4 rows, AMX for more) -------------------
+INT4_VNNI_MAX_ROWS = 4  # cpu_ops.cpp's kInt4VnniMaxRows
+
+
+@pytest.fixture(scope="module")
+def int4_kernel():
+    if not int4_kernel_works():
+        pytest.skip("nanoserve's int4 kernel does not run here (it needs AMX and AVX-512 VNNI)")
+    return cpu_op("int4_linear")
+
+
+def test_int4_chunks_pack_and_unpack_in_order():
+    codes = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = pack_int4_chunks(codes)
+    assert packed.shape == (3, 64) and torch.equal(unpack_int4_chunks(packed), codes)
+    assert torch.equal(packed[:, :32] & 0xF, codes[:, :32]) and torch.equal(packed[:, :32] >> 4, codes[:, 32:64])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 65])  # VNNI up to 4, AMX above (64 rows a pass)
+@pytest.mark.parametrize("inputs", [576, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_kernel_equals_its_reference(int4_kernel, rows, inputs, dtype):
+    """The VNNI path's integer sums and the AMX path's bfloat16 products, each against its float64 reference."""
+    torch.manual_seed(rows)
+    x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
+    x[0] = 0  # an all-zero row
+    x[-1, :3] = torch.tensor([1e4, -1e4, 1e-3])  # an outlier row
+    codes = torch.randint(0, 16, (48, inputs), dtype=torch.uint8)
+    codes[0] = 15  # the largest code everywhere in one channel
+    scale, offset = torch.rand(48, inputs // 32) / 100, torch.randn(48, inputs // 32) / 10
+    packed = pack_int4_chunks(codes)
+    y = int4_kernel(x, packed, scale, offset)
+    assert y.dtype == dtype and y.shape == (rows, 48)
+    reference = int4_linear_int16_ref if rows <= INT4_VNNI_MAX_ROWS else int4_linear_bf16_ref
+    expected = reference(x.float(), packed, scale, offset)
+    # float32 sums in the kernel's order (AMX's tiles sum in an order of their own): their rounding is relative to
+    # the terms' magnitudes, which the outlier row's cancelling terms make far larger than its result
+    terms = x.float().abs() @ dequantize_int4_chunks(packed, scale, offset).abs().T
+    bound = 1e-5 * terms + (BF16_EPS * expected.abs() if dtype == torch.bfloat16 else 0) + 1e-6
+    assert ((y.float() - expected).abs() <= bound).all(), ((y.float() - expected).abs() / bound).max()
+
+
+@pytest.mark.parametrize("rows", [2, 9])
+def test_chunked_int4_weight_computes_with_its_groups(int4_kernel, rows):
+    """ChunkedInt4Weight holds the groups' weight exactly and its linear is F.linear with it, within the kernels'
+    roundings (int16 activation codes, or bfloat16 activations and weights)."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 192), torch.randn(rows, 192)
+    groups = GroupQuantized.from_float(weight)
+    quantized = cpu_int4_weight(groups)
+    assert isinstance(quantized, ChunkedInt4Weight) and torch.equal(quantized.dequantize(), groups.dequantize())
+    held = groups.dequantize()
+    if rows <= INT4_VNNI_MAX_ROWS:
+        assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(held), activation_error(x, True, 2))
+    else:
+        assert_linear_within(quantized.linear(x, None), x, held, BF16_EPS * held.abs())

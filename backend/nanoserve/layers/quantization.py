@@ -9,11 +9,14 @@ packed float32 and bfloat16; docs/benchmarks.md):
   row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
   against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, weight-only:
   `aten._weight_int8pack_mm`, which needs in_features a multiple of INT8_INPUTS_MULTIPLE.
-- int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]);
-  `aten._weight_int4pack_mm_for_cpu`, whose layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z.
-  That kernel reads the weight once per row of the activations (it falls behind float32 from ~16 rows), but an
-  int8 copy for many rows (requantized per output channel) is not kept: it costs 16% of float32's bytes more and,
-  unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement fell from 9/10 prompts to 4/10).
+- int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
+  Where the CPU has AMX and VNNI (`runs_int4_kernel`), cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4
+  rows VNNI dot products of the codes with int16 activation codes, for more AMX tile products of the weight
+  dequantized to bfloat16 once per 64 rows. Elsewhere `aten._weight_int4pack_mm_for_cpu` (Int4Weight), whose
+  layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z, and reads and dequantizes the weight again
+  for each row of the activations (it falls behind float32 from ~16 rows). An int8 copy for many rows
+  (requantized per output channel) is not kept: it costs 16% of float32's bytes more and, unlike the codes, is not
+  the weight the file holds (SmolLM2's greedy agreement fell from 9/10 prompts to 4/10).
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
@@ -35,7 +38,8 @@ import torch
 from torch import nn
 
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import dequantize_int4_groups, int4_group_matmul_ref, int8_matmul_ref, pack_int4
+from nanoserve.kernels.reference import (INT4_CHUNK, dequantize_int4_chunks, dequantize_int4_groups,
+                                        int4_group_matmul_ref, int8_matmul_ref, pack_int4, pack_int4_chunks)
 from nanoserve.layers.activation import cuda_op
 
 QUANTIZATIONS = ("int8", "int4")
@@ -176,6 +180,60 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale_and_zero.nbytes
+
+
+@functools.cache
+def int4_kernel_works() -> bool:
+    """Whether cpu_ops.cpp's int4_linear runs here: built (AMX and VNNI) and allowed AMX's tile state by the OS."""
+    kernel = cpu_op("int4_linear")
+    if kernel is None:
+        return False
+    try:
+        x, packed = torch.ones(5, INT4_CHUNK), torch.zeros(INT4_ROWS_MULTIPLE, INT4_CHUNK // 2, dtype=torch.uint8)
+        scale = torch.ones(INT4_ROWS_MULTIPLE, INT4_CHUNK // GROUP_SIZE)
+        return bool((kernel(x, packed, scale, scale) == INT4_CHUNK).all())  # 5 rows: the AMX path
+    except RuntimeError:
+        return False
+
+
+def runs_int4_kernel(rows: int, cols: int) -> bool:
+    """Whether a 4-bit weight [rows, cols] on the CPU computes with cpu_ops.cpp's int4_linear (ChunkedInt4Weight)."""
+    return rows % INT4_ROWS_MULTIPLE == 0 and cols % INT4_CHUNK == 0 and int4_kernel_works()
+
+
+def cpu_int4_weight(groups: GroupQuantized) -> ChunkedInt4Weight | Int4Weight:
+    """A 4-bit weight for the CPU: nanoserve's kernel's layout where it runs, else torch's (ValueError for a shape
+    or codes neither can hold)."""
+    if runs_int4_kernel(*groups.codes.shape) and groups.group == GROUP_SIZE:
+        return ChunkedInt4Weight.from_groups(groups)
+    return Int4Weight.from_groups(groups)
+
+
+class ChunkedInt4Weight:
+    """A 4-bit weight [N, K] for cpu_ops.cpp's int4_linear: codes packed two a byte in chunks of 64
+    (reference.pack_int4_chunks), scale and offset [N, K / GROUP_SIZE] float32, w = q * scale + offset exactly."""
+    name = "int4"
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+        self.packed, self.scale, self.offset = packed, scale, offset
+
+    @classmethod
+    def from_groups(cls, groups: GroupQuantized) -> ChunkedInt4Weight:
+        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
+            raise ValueError("int4 weights need uint8 codes in [0, 15]")
+        return cls(pack_int4_chunks(groups.codes), groups.scale.float().contiguous(),
+                   groups.offset.float().contiguous())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4_chunks(self.packed, self.scale, self.offset)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
 
 
 class PackedInt4Weight:

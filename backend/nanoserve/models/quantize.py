@@ -9,8 +9,9 @@ The token embedding and the LM head are int8 (per row) whenever they are quantiz
 embedding's table. Norms and biases stay float, and so does a CPU layer whose in_features torch's int8 kernel
 cannot take (not a multiple of INT8_INPUTS_MULTIPLE), with the reason in the summary. Runs after load_weights and
 before pack_cpu_weights.
-On the CPU the 4-bit format is Int4Weight (torch's CPU kernel), on CUDA PackedInt4Weight (the Triton kernel, which
-keeps a GGUF file's scales and offsets in float32 as they are); int8 is Int8Weight on both, on the model's device.
+On the CPU the 4-bit format is ChunkedInt4Weight (nanoserve's kernel, where the CPU has AMX and VNNI) or Int4Weight
+(torch's kernel), on CUDA PackedInt4Weight (the Triton kernel); both of nanoserve's keep a GGUF file's scales and
+offsets in float32 as they are. int8 is Int8Weight on both devices, on the model's device.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from torch import nn
 
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import LinearBase
-from nanoserve.layers.quantization import (GROUP_SIZE, INT8_INPUTS_MULTIPLE, GroupQuantized, Int4Weight, Int8Weight,
-                                           PackedInt4Weight, runs_triton)
+from nanoserve.layers.quantization import (GROUP_SIZE, INT8_INPUTS_MULTIPLE, GroupQuantized, Int8Weight,
+                                           PackedInt4Weight, cpu_int4_weight, runs_triton)
 
 FOUR_BIT = "int4"  # the format 4-bit GGUF codes run as (client/bench_quant.py)
 INT8_INPUTS_REASON = (f"kept float: in_features not a multiple of {INT8_INPUTS_MULTIPLE}, which torch's int8 CPU "
@@ -83,7 +84,7 @@ def _quantized(float_weight: torch.Tensor, groups: GroupQuantized | None, target
     if target == "int4":
         source = groups if groups is not None and groups.codes.dtype == torch.uint8 else None
         try:
-            return Int4Weight.from_groups(source or GroupQuantized.from_float(float_weight))
+            return cpu_int4_weight(source or GroupQuantized.from_float(float_weight))
         except ValueError:
             pass  # a shape the int4 layout cannot hold
     if float_weight.shape[1] % INT8_INPUTS_MULTIPLE:
