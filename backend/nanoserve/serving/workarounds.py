@@ -54,6 +54,14 @@ WORKAROUNDS = {
         "no stub of a decoupled model. `nanoserve serve` restarts tritonserver.",
         ("backend/nanoserve/serving/serve/supervisor.py",),
         "tests/test_supervisor.py::test_a_killed_or_hung_stub_or_core_fails_its_streams_and_the_model_serves_again"),
+    "tritonserver-crashes": Workaround(
+        "2.51",
+        "tritonserver itself crashes now and then: python_backend aborts (boost::interprocess::lock_exception) when "
+        "a stub dies holding the lock of their shared memory, and the HTTP front end crashes (SIGSEGV) on a body of "
+        "a few MB sent without Content-Type: application/json. `nanoserve serve` restarts a tritonserver that ends "
+        "with an error or a signal.",
+        ("backend/nanoserve/serving/serve/supervisor.py:Supervisor._crashed",),
+        "tests/test_supervisor.py::test_a_killed_or_hung_stub_or_core_fails_its_streams_and_the_model_serves_again"),
     "grpc-frontend-deadlock": Workaround(
         "2.51",
         "Under many gRPC stream cancellations on a starved CPU the gRPC frontend can deadlock: the stub's response "

@@ -110,19 +110,30 @@ class Supervisor:
         self.liveness = Liveness(self.server.url_http, self.liveness_models, self.liveness_timeout).start()
 
     def run(self, received: list[int]) -> bool:
-        """Until the server exits or a signal came (True), or it had to be restarted too often (False)."""
+        """Until a signal came or the server exited cleanly on its own (True), or it had to be restarted too often
+        (False)."""
         next_check = time.monotonic() + CHECK_INTERVAL
         try:
-            while self.server.poll() is None and not received:
+            while not received and self.server.poll() != 0:
                 time.sleep(0.2)
-                if time.monotonic() >= next_check:
+                failure = self._crashed()
+                if failure is None and time.monotonic() >= next_check:
                     next_check = time.monotonic() + CHECK_INTERVAL
                     failure = "; ".join(map(str, self.watch.dead())) or self._stuck()
-                    if failure and not self._restart(failure):
-                        return False
+                if failure and not self._restart(failure):
+                    return False
             return True
         finally:
             self.liveness.stop()
+
+    def _crashed(self) -> str | None:
+        """How tritonserver ended, where it ended on its own with an error (2.51's python_backend aborts when a stub
+        dies holding the lock of their shared memory; its HTTP front end crashes on a large non-JSON body)."""
+        code = self.server.poll()
+        if not code:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"tritonserver (pid {self.server.process.pid}) {how}"
 
     def _stuck(self) -> str | None:
         if self.liveness.stuck and time.monotonic() - self.liveness.stuck_since >= STUCK_GRACE:
