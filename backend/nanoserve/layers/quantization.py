@@ -165,8 +165,7 @@ class Int4Weight:
         if rows % INT4_ROWS_MULTIPLE or cols % 2:
             raise ValueError(f"int4 weights need a multiple of {INT4_ROWS_MULTIPLE} output rows and an even number "
                              f"of inputs, got [{rows}, {cols}]")
-        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
-            raise ValueError("int4 weights need uint8 codes in [0, 15]")
+        check_int4_codes(groups)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32).contiguous(), 1)
         zero = groups.offset + 8 * groups.scale  # the kernel computes (q - 8) * scale + zero
         scale_and_zero = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
@@ -209,20 +208,33 @@ def cpu_int4_weight(groups: GroupQuantized) -> ChunkedInt4Weight | Int4Weight:
     return Int4Weight.from_groups(groups)
 
 
-class ChunkedInt4Weight:
-    """A 4-bit weight [N, K] for cpu_ops.cpp's int4_linear: codes packed two a byte in chunks of 64
-    (reference.pack_int4_chunks), scale and offset [N, K / GROUP_SIZE] float32, w = q * scale + offset exactly."""
+def check_int4_codes(groups: GroupQuantized) -> None:
+    if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
+        raise ValueError("int4 weights need uint8 codes in [0, 15]")
+
+
+class GroupPackedInt4:
+    """4-bit codes [N, K] packed two a byte (by `pack`), scale and offset [N, K / group] float32, w = q * scale +
+    offset exactly: a GGUF file's codes, scales and mins as they are. Subclasses: the packing and the kernel."""
     name = "int4"
+    pack = None  # codes [N, K] -> packed [N, K / 2]
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
         self.packed, self.scale, self.offset = packed, scale, offset
 
     @classmethod
-    def from_groups(cls, groups: GroupQuantized) -> ChunkedInt4Weight:
-        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
-            raise ValueError("int4 weights need uint8 codes in [0, 15]")
-        return cls(pack_int4_chunks(groups.codes), groups.scale.float().contiguous(),
-                   groups.offset.float().contiguous())
+    def from_groups(cls, groups: GroupQuantized):
+        check_int4_codes(groups)
+        return cls(cls.pack(groups.codes), groups.scale.float().contiguous(), groups.offset.float().contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
+
+
+class ChunkedInt4Weight(GroupPackedInt4):
+    """For cpu_ops.cpp's int4_linear: codes in chunks of 64 (reference.pack_int4_chunks)."""
+    pack = staticmethod(pack_int4_chunks)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
@@ -231,27 +243,17 @@ class ChunkedInt4Weight:
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_chunks(self.packed, self.scale, self.offset)
 
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
 
-
-class PackedInt4Weight:
-    """A 4-bit weight [N, K] for the Triton kernel: codes packed two a byte [N, K / 2] (reference.pack_int4), scale
-    and offset [N, K / group] float32, w = q * scale + offset."""
-    name = "int4"
-
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-        self.packed, self.scale, self.offset = packed, scale, offset
+class PackedInt4Weight(GroupPackedInt4):
+    """For the Triton kernel: code 2j in byte j's low nibble, 2j + 1 in its high one (reference.pack_int4)."""
+    pack = staticmethod(pack_int4)
 
     @classmethod
     def from_groups(cls, groups: GroupQuantized) -> PackedInt4Weight:
         """ValueError where codes are not uint8 in [0, 15] or the inputs are odd in number."""
-        if groups.codes.dtype != torch.uint8 or int(groups.codes.max()) > 15:
-            raise ValueError("int4 weights need uint8 codes in [0, 15]")
         if groups.codes.shape[1] % 2:
             raise ValueError(f"int4 weights need an even number of inputs, got {groups.codes.shape[1]}")
-        return cls(pack_int4(groups.codes), groups.scale.float().contiguous(), groups.offset.float().contiguous())
+        return super().from_groups(groups)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = matmul_for(self.packed, "int4_group_matmul", int4_group_matmul_ref)(x, self.packed, self.scale,
@@ -263,10 +265,6 @@ class PackedInt4Weight:
 
     def to(self, device: torch.device) -> PackedInt4Weight:
         return PackedInt4Weight(self.packed.to(device), self.scale.to(device), self.offset.to(device))
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
 
 
 def split_part(name: str) -> tuple[str, str | None]:
