@@ -652,7 +652,7 @@ void amx_channel_block(float* sums, int64_t n, int64_t rows, int64_t blocks, con
   }
 }
 
-// int4_linear_ref with x rounded to bfloat16, the weight dequantized to bfloat16, float32 sums
+// reference.int4_linear_bf16_ref: x rounded to bfloat16, the weight dequantized to bfloat16, float32 sums
 at::Tensor int4_linear_amx(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                            const at::Tensor& offset) {
   TORCH_CHECK(amx_permitted(), "int4_linear: this process may not use AMX (arch_prctl XTILEDATA refused)");
@@ -735,8 +735,8 @@ void vnni_int4_channels(float* out, int64_t n, const int8_t* hi, const int8_t* l
   }
 }
 
-// int4_linear_ref with x quantized per row to int16 codes instead (quantize_rows_ref, digits=2): row scale * (sum
-// over groups of scale * codes . q + offset * the group's code sum)
+// reference.int4_linear_int16_ref: x quantized per row to int16 codes (quantize_rows_ref, digits=2), row scale *
+// (sum over groups of scale * codes . q + offset * the group's code sum)
 at::Tensor int4_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                             const at::Tensor& offset) {
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kGroup;
@@ -767,8 +767,8 @@ at::Tensor int4_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const
   return sums;
 }
 
-// int4_linear_ref: x [T, K] @ the 4-bit weight packed [N, K / 2] (pack_int4_chunks) with float32 scale and offset
-// [N, K / 32], in x's dtype: up to kInt4VnniMaxRows rows by int4_linear_vnni, more by int4_linear_amx. K: a
+// x [T, K] @ the 4-bit weight packed [N, K / 2] (pack_int4_chunks) with float32 scale and offset [N, K / 32],
+// in x's dtype: up to kInt4VnniMaxRows rows by int4_linear_vnni, more by int4_linear_amx. K: a
 // multiple of 64; N: of 16.
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
                        const at::Tensor& offset_in) {

@@ -75,27 +75,28 @@ class Intake:
     def enter(self, batch: list[tuple[object, float]]) -> None:
         """Parse, tokenize and hand on a batch of (request, arrival), in order."""
         admitted = [self._admit(request, arrival) for request, arrival in batch]
-        prompts = self._token_ids([item for item in admitted if isinstance(item, Admission)])
+        prompts = iter(self._token_ids([item for item in admitted if isinstance(item, Admission)]))
         for item in admitted:
             if not isinstance(item, Admission):
                 self._events.put(item)
                 continue
-            prompt_ids = prompts[id(item)]
+            prompt_ids = next(prompts)
             self._events.put(Register(item.request_id, item.stream))  # before the engine can answer
             if isinstance(prompt_ids, RequestError):  # rejected as the engine rejects (naming the prompt's input)
                 self._events.put(StepResult(rejected=[(item.request_id, prompt_ids)]))
                 continue
             self._engine.add(item.request_id, prompt_ids, item.stream.request.sampling_params)
 
-    def _token_ids(self, admitted: list[Admission]) -> dict[int, list[int] | RequestError]:
-        """id(admission) -> its prompt's token ids, or the error that rejects it."""
-        prompts = {id(item): item.stream.request.prompt for item in admitted}
-        texts = {key: prompt for key, prompt in prompts.items() if isinstance(prompt, str)}
+    def _token_ids(self, admitted: list[Admission]) -> list[list[int] | RequestError]:
+        """Each admission's prompt as token ids, or the error that rejects it, in order."""
+        prompts = [item.stream.request.prompt for item in admitted]
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
         try:
-            encoded = encode_prompt_texts(self._tokenizer, list(texts.values()), self._max_prompt_bytes)
+            encoded = encode_prompt_texts(self._tokenizer, texts, self._max_prompt_bytes)
         except Exception as e:  # a tokenizer bug must fail these requests only, never the intake
             logger.exception("nanoserve: tokenizing prompts failed")
             error = RequestError(None, f"internal error: tokenizing the prompt failed ({type(e).__name__})",
                                  ErrorKind.INTERNAL)
             encoded = [error] * len(texts)
-        return {**prompts, **dict(zip(texts, encoded))}
+        encoded = iter(encoded)
+        return [next(encoded) if isinstance(prompt, str) else prompt for prompt in prompts]
