@@ -6,7 +6,8 @@ A step's linears: --layers decoder layers of qkv [960, 576], o [576, 576], gate_
 each layer's weights its own (as in the model: what one step reads does not sit in a cache), then the LM head
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
 and int4 CPU kernels (with float32 and with bfloat16 activations), nanoserve's int4 kernel (cpu_ops.cpp's
-int4_linear, where the CPU has AMX and VNNI: ChunkedInt4Weight), int8 weights with each activation row
+int4_linear, where the CPU has AMX and VNNI: ChunkedInt4Weight), nanoserve's AVX2 kernels with activations in
+blocks of 32 (int4_block_linear, int16 codes; int8_block_linear, int8 codes), int8 weights with each activation row
 quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
 int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
 oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
@@ -26,6 +27,7 @@ import torch
 
 import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
 from nanoserve.kernels.cpu_ops import cpu_op
+from nanoserve.kernels.reference import pack_int4_chunks
 from nanoserve.layers.linear import linear, pack_weight
 from nanoserve.layers.quantization import (KERNEL_DTYPE, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
                                            int4_kernel_works)
@@ -74,6 +76,19 @@ def chunked_int4_matmul(weight):
     return lambda x: quantized.linear(x, None)
 
 
+def int4_block_matmul(weight):
+    """cpu_ops.cpp's int4_block_linear: activations in int16 blocks of 32 (ChunkedInt4Weight without AMX)."""
+    quantized = GroupQuantized.from_float(weight)
+    packed, kernel = pack_int4_chunks(quantized.codes), cpu_op("int4_block_linear")
+    return lambda x: kernel(x, packed, quantized.scale, quantized.offset)
+
+
+def int8_block_matmul(weight):
+    """cpu_ops.cpp's int8_block_linear: activations in int8 blocks of 32 (Int8Weight without VNNI)."""
+    quantized, kernel = Int8Weight.from_float(weight), cpu_op("int8_block_linear")
+    return lambda x: kernel(x, quantized.qweight, quantized.scales)
+
+
 def w8a_matmul(digits: int):
     def make(weight):
         quantized, kernel = Int8Weight.from_float(weight), cpu_op("w8a8_linear")
@@ -97,6 +112,8 @@ FORMATS = {
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
     "int4 weight-only, group 32, bf16 activations": int4_matmul,
     "int4, group 32, int4_linear (VNNI up to 4 rows, AMX above)": chunked_int4_matmul,
+    "int4, group 32, int4_block_linear (AVX2; int16 activation blocks of 32)": int4_block_matmul,
+    "int8, int8_block_linear (AVX2; int8 activation blocks of 32, as llama.cpp's Q8_0)": int8_block_matmul,
     "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
     "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,
@@ -134,7 +151,8 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", default=[], help="leave out the formats whose name contains one of these")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    skip = [*args.skip, *([] if int4_kernel_works() else ["int4_linear"])]
+    skip = [*args.skip, *([] if int4_kernel_works() else ["int4_linear"]),
+            *([] if cpu_op("int4_block_linear") else ["block_linear"])]
     steps = {name: build_step(make, args.layers) for name, make in FORMATS.items()
              if not any(word in name for word in skip)}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); CPU ms per step, median of {args.rounds}")

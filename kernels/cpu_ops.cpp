@@ -788,6 +788,217 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed_in, cons
 #define NANOSERVE_INT4_LINEAR 1
 #endif
 
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Activations in blocks, as llama.cpp's Q8_0: each row of x in groups of kBlock inputs, each group with its own scale
+// d = max |x| / the largest code, so that an outlier coarsens only its own group (one scale per row rounds a row with
+// SmolLM2's outlier channels to a few codes). Each group's integer sum is exact and scaled as it is made:
+// - int4_block_linear: 4-bit weights in pack_int4_chunks' layout, w = q * scale + offset per group, times int16 codes
+//   (kTop2 at most), AVX2's int16 pair products (madd); the offsets' part adds offset times the group's exact sum of
+//   x. (int8 codes, llama.cpp's Q4 x Q8, tripled SmolLM2's teacher-forced logprob error against the float
+//   engine's, where int16 ones are within torch's weight-only kernel's.)
+// - int8_block_linear: int8 weights with one scale per output channel times int8 codes (127 at most), AVX2's u8 x s8
+//   pair products (maddubs, exact: every pair sum is below 2^15) with the weight's sign moved onto the codes.
+// Each channel's groups are loaded once for kBlockRows rows (for_tiles).
+constexpr int64_t kBlock = 32;
+constexpr int64_t kBlockRows = 4;
+
+struct Blocks {
+  at::Tensor codes;           // [T, K]: int8 or int16
+  at::Tensor scales, sums;    // [T, K / kBlock] float32: each group's d and its sum of x
+};
+
+template <typename Code, typename T>
+void quantize_block_row(Code* codes, float* scales, float* sums, const T* x, float* buf, int64_t k) {
+  const float* xr = as_float(x, buf, k);
+  const float top_code = std::is_same_v<Code, int8_t> ? 127.f : static_cast<float>(kTop2);
+  for (int64_t g = 0; g < k / kBlock; ++g) {
+    const float* xg = xr + g * kBlock;
+    float top = 0.f, sum = 0.f;
+    for (int64_t i = 0; i < kBlock; ++i) top = std::max(top, std::abs(xg[i])), sum += xg[i];
+    const __m256 inv = _mm256_set1_ps(top > 0.f ? top_code / top : 0.f);
+    for (int64_t i = 0; i < kBlock; i += 8) {  // round to nearest even, as torch.round
+      alignas(32) int32_t rounded[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(rounded),
+                         _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv),
+                                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      for (int64_t j = 0; j < 8; ++j) codes[g * kBlock + i + j] = static_cast<Code>(rounded[j]);
+    }
+    scales[g] = top / top_code, sums[g] = sum;
+  }
+}
+
+template <typename Code>
+Blocks quantize_blocks(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / kBlock;
+  const auto floats = x.options().dtype(at::kFloat);
+  Blocks b{at::empty({rows, k}, x.options().dtype(std::is_same_v<Code, int8_t> ? at::kChar : at::kShort)),
+           at::empty({rows, groups}, floats), at::empty({rows, groups}, floats)};
+  DISPATCH_FLOATS(x.scalar_type(), "quantize_blocks", [&] {
+    std::vector<float> buf(k);
+    for (int64_t r = 0; r < rows; ++r)
+      quantize_block_row(b.codes.data_ptr<Code>() + r * k, b.scales.data_ptr<float>() + r * groups,
+                         b.sums.data_ptr<float>() + r * groups, x.data_ptr<scalar_t>() + r * k, buf.data(), k);
+  });
+  return b;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+template <typename Code>
+inline __m256i load_codes(const Code* codes) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)); }
+
+// half h (16 bytes) of a chunk of pack_int4_chunks codes as int16: its low nibbles, codes 16 h .. 16 h + 15 of the
+// chunk, and its high ones, codes 32 + 16 h .. 32 + 16 h + 15
+inline void int4_half(const uint8_t* chunk, int64_t h, __m256i& low, __m256i& high) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
+  low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
+}
+
+// out[r * n + c] = sum over groups of scale[c, g] * d[r, g] * (q . codes) + offset[c, g] * sums[r, g], for R rows of
+// int16 block codes (with their d and sums) and the channels c in [first, last); a chunk's two groups at a time
+template <int64_t R>
+void int4_rows(float* out, int64_t n, const int16_t* codes, const float* d, const float* sums, const uint8_t* packed,
+               const float* scale, const float* offset, int64_t k, int64_t first, int64_t last) {
+  const int64_t groups = k / kBlock;
+  for (int64_t c = first; c < last; ++c) {
+    const uint8_t* w = packed + c * (k / 2);
+    const float *sc = scale + c * groups, *of = offset + c * groups;
+    __m256 acc[R][2];
+    for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 2) {
+      __m256i q[4];  // the chunk's codes 0-15, 32-47, 16-31, 48-63
+      int4_half(w + g * kBlock / 2, 0, q[0], q[1]);
+      int4_half(w + g * kBlock / 2, 1, q[2], q[3]);
+      for (int64_t r = 0; r < R; ++r) {
+        const int16_t* x = codes + r * k + g * kBlock;
+        const __m256i first_group = _mm256_add_epi32(_mm256_madd_epi16(q[0], load_codes(x)),
+                                                     _mm256_madd_epi16(q[2], load_codes(x + 16)));
+        const __m256i second_group = _mm256_add_epi32(_mm256_madd_epi16(q[1], load_codes(x + 32)),
+                                                      _mm256_madd_epi16(q[3], load_codes(x + 48)));
+        const float* dr = d + r * groups + g;
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first_group), _mm256_set1_ps(sc[g] * dr[0]), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second_group), _mm256_set1_ps(sc[g + 1] * dr[1]), acc[r][1]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+      const float* sr = sums + r * groups;
+      int64_t g = 0;
+      for (; g + 8 <= groups; g += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(of + g), _mm256_loadu_ps(sr + g), sum);
+      float tail = 0.f;
+      for (; g < groups; ++g) tail += of[g] * sr[g];
+      out[r * n + c] = hsum(sum) + tail;
+    }
+  }
+}
+
+// out[r * n + c] = scales[c] * sum over groups of d[r, g] * (w . codes), for R rows of int8 block codes (with their d)
+// and the channels c in [first, last)
+template <int64_t R, typename S>
+void int8_rows(float* out, int64_t n, const int8_t* codes, const float* d, const int8_t* qweight, const S* scales,
+               int64_t k, int64_t first, int64_t last) {
+  const int64_t groups = k / kBlock;
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int64_t c = first; c < last; ++c) {
+    const int8_t* w = qweight + c * k;
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i wv = load_codes(w + g * kBlock), magnitude = _mm256_abs_epi8(wv);  // |-128|: 128, unsigned
+      for (int64_t r = 0; r < R; ++r) {
+        const __m256i signed_codes = _mm256_sign_epi8(load_codes(codes + r * k + g * kBlock), wv);
+        const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_codes), one);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[r * groups + g]), acc[r]);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) out[r * n + c] = hsum(acc[r]) * static_cast<float>(scales[c]);
+  }
+}
+
+// rows(R, first row, first channel, last channel) over every row and channel: tiles of kTileChannels channels
+// across threads, each tile's rows kBlockRows at a time (a tile's weights stay in L1 across them)
+constexpr int64_t kTileChannels = 16;
+
+template <typename Rows>
+void for_tiles(int64_t rows, int64_t n, int64_t k, const Rows& run) {
+  const int64_t tiles = (n + kTileChannels - 1) / kTileChannels;
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / (kTileChannels * rows * k));
+  at::parallel_for(0, tiles, grain, [&](int64_t first_tile, int64_t last_tile) {
+    for (int64_t t = first_tile; t < last_tile; ++t) {
+      const int64_t first = t * kTileChannels, last = std::min(n, first + kTileChannels);
+      for (int64_t r = 0; r < rows; r += kBlockRows) {
+        switch (std::min(kBlockRows, rows - r)) {
+          case 1: run(std::integral_constant<int64_t, 1>{}, r, first, last); break;
+          case 2: run(std::integral_constant<int64_t, 2>{}, r, first, last); break;
+          case 3: run(std::integral_constant<int64_t, 3>{}, r, first, last); break;
+          default: run(std::integral_constant<int64_t, 4>{}, r, first, last);
+        }
+      }
+    }
+  });
+}
+
+// reference.int4_block_linear_ref: x [T, K] in int16 blocks @ the 4-bit weight packed [N, K / 2]
+// (pack_int4_chunks), float32 scale and offset [N, K / 32], in x's dtype. K: a multiple of 64.
+at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
+                             const at::Tensor& offset_in) {
+  TORCH_CHECK(x_in.dim() == 2 && packed_in.dim() == 2 && packed_in.scalar_type() == at::kByte &&
+              x_in.size(1) % (2 * kBlock) == 0 && packed_in.size(1) * 2 == x_in.size(1) &&
+              scale_in.scalar_type() == at::kFloat && offset_in.scalar_type() == at::kFloat &&
+              scale_in.sizes() == offset_in.sizes() && scale_in.dim() == 2 &&
+              scale_in.size(0) == packed_in.size(0) && scale_in.size(1) * kBlock == x_in.size(1),
+              "x: [T, K], K a multiple of 64; packed: [N, K / 2] uint8; scale, offset: [N, K / 32] float32");
+  const auto x = x_in.contiguous(), packed = packed_in.contiguous();
+  const auto scale = scale_in.contiguous(), offset = offset_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kBlock;
+  const Blocks b = quantize_blocks<int16_t>(x);
+  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int16_t* codes = b.codes.data_ptr<int16_t>();
+  const float *d = b.scales.data_ptr<float>(), *sums = b.sums.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float *sc = scale.data_ptr<float>(), *of = offset.data_ptr<float>();
+  for_tiles(rows, n, k, [&](auto R, int64_t r, int64_t first, int64_t last) {
+    int4_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of, k, first,
+                                  last);
+  });
+  return out.to(x_in.scalar_type());
+}
+
+// reference.int8_block_linear_ref: x [T, K] in int8 blocks @ (qweight [N, K] int8 * scales [N])^T, in x's dtype.
+// K: a multiple of 32.
+at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in) {
+  TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&
+              qweight_in.size(1) == x_in.size(1) && x_in.size(1) % kBlock == 0 &&
+              scales_in.numel() == qweight_in.size(0) &&
+              (scales_in.scalar_type() == at::kFloat || scales_in.scalar_type() == at::kBFloat16),
+              "x: [T, K], K a multiple of 32; qweight: [N, K] int8; scales: [N] float32 or bfloat16");
+  const auto x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), groups = k / kBlock;
+  const Blocks b = quantize_blocks<int8_t>(x);
+  auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int8_t *codes = b.codes.data_ptr<int8_t>(), *w = qweight.data_ptr<int8_t>();
+  const float* d = b.scales.data_ptr<float>();
+  const auto run = [&](const auto* channel_scales) {
+    for_tiles(rows, n, k, [&](auto R, int64_t r, int64_t first, int64_t last) {
+      int8_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, w, channel_scales, k, first, last);
+    });
+  };
+  if (scales.scalar_type() == at::kFloat)
+    run(scales.data_ptr<float>());
+  else
+    run(scales.data_ptr<c10::BFloat16>());
+  return out.to(x_in.scalar_type());
+}
+#define NANOSERVE_BLOCK_LINEAR 1
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
@@ -800,6 +1011,10 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
+#ifdef NANOSERVE_BLOCK_LINEAR
+  m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor", &int4_block_linear);
+  m.def("int8_block_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_block_linear);
+#endif
 #ifdef NANOSERVE_INT4_LINEAR
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor", &int4_linear);
 #endif

@@ -18,11 +18,14 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import (TOP_CODE, dequantize_int4_chunks, int4_linear_bf16_ref, int4_linear_int16_ref,
-                                        pack_int4_chunks, quantize_rows_ref, split_digits, unpack_int4_chunks,
-                                        w8a8_linear_ref)
+from nanoserve.kernels.reference import (BLOCK, TOP_CODE, dequantize_int4_chunks, int4_block_linear_ref,
+                                        int4_linear_bf16_ref, int4_linear_int16_ref, int8_block_linear_ref,
+                                        pack_int4_chunks, quantize_blocks_ref, quantize_rows_ref, split_digits,
+                                        unpack_int4_chunks, w8a8_linear_ref)
+from nanoserve.layers import quantization as quantization_layer
 from nanoserve.layers.quantization import (ACTIVATION_DIGITS, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
-                                           cpu_int4_weight, exact_int8_gemm, int4_kernel_works, runs_w8a8)
+                                           chunked_int4_kernel, cpu_int4_weight, exact_int8_gemm, int4_kernel_works,
+                                           runs_blocks, runs_w8a8)
 from nanoserve.models.gguf import group_quantized
 from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
 
@@ -46,6 +49,18 @@ def activation_error(x: torch.Tensor, w8a8: bool, digits: int = ACTIVATION_DIGIT
         return None
     _, row_scale = quantize_rows_ref(x, digits)
     return row_scale[:, None] / 2 + BF16_EPS * x.float().abs()
+
+
+def block_activation_error(x: torch.Tensor, digits: int) -> torch.Tensor:
+    """How far activations in blocks (int4_block_linear: int16 codes, int8_block_linear: int8 ones) may be from
+    bf16(x): half their group's step, and x's bfloat16 rounding."""
+    _, step, _ = quantize_blocks_ref(x, digits)
+    return step.repeat_interleave(BLOCK, dim=1) / 2 + BF16_EPS * x.float().abs()
+
+
+def int8_activation_error(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor | None:
+    """The activations' error of the path an Int8Weight computes with."""
+    return block_activation_error(x, 1) if weight.blocks else activation_error(x, weight.w8a8)
 
 
 def assert_linear_within(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_error: torch.Tensor,
@@ -76,9 +91,9 @@ def test_int8_linear_matches_its_dequantized_weight(shape, dtype):
     scales = quantized.scales.float()[:, None]
     assert ((dequantized - weight).abs() <= scales / 2 * (1 + 1e-6)).all()  # round to nearest
     assert (scales <= weight.abs().amax(1, keepdim=True) / 127 * (1 + 2 ** -6)).all()  # the step is max|w| / 127
-    assert quantized.w8a8 == runs_w8a8(quantized.qweight)
+    assert quantized.w8a8 == runs_w8a8(quantized.qweight) and quantized.blocks == runs_blocks(quantized.qweight)
     assert_linear_within(quantized.linear(x, None), x, dequantized, torch.zeros_like(weight),
-                         activation_error(x, quantized.w8a8))
+                         int8_activation_error(x, quantized))
     torch.testing.assert_close(quantized.linear(x, bias), quantized.linear(x, None) + bias)
     rows = torch.tensor([3, 0, 3])
     torch.testing.assert_close(quantized.embedding(rows, dtype), dequantized[rows].to(dtype))
@@ -176,15 +191,20 @@ def test_int8_gemm_is_exact_where_the_cpu_has_int8_dot_products():
     assert exact_int8_gemm()
 
 
-def test_without_int8_dot_products_the_weight_only_kernels_run(monkeypatch):
-    """An AVX2-only CPU (here: ATEN_CPU_CAPABILITY's cap) has no VNNI: int8 weights run torch's weight-only kernel
-    with bfloat16 activations."""
+def test_without_int8_dot_products_int8_runs_activation_blocks_or_weight_only(monkeypatch):
+    """An AVX2-only CPU (here: ATEN_CPU_CAPABILITY's cap) has no VNNI: int8 weights run int8_block_linear where the
+    kernels are built, and torch's weight-only kernel with bfloat16 activations where they are not."""
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert not int8_dot_products()
     torch.manual_seed(0)
     weight, x = torch.randn(64, 128), torch.randn(9, 128)
     int8 = Int8Weight.from_float(weight)
-    assert not int8.w8a8
+    assert not int8.w8a8 and int8.blocks == (cpu_op("int8_block_linear") is not None)
+    if int8.blocks:
+        torch.testing.assert_close(int8.linear(x, None), int8_block_linear_ref(x, int8.qweight, int8.scales))
+    monkeypatch.setattr(quantization_layer, "cpu_op", lambda name: None)  # no C++ kernels
+    int8 = Int8Weight.from_float(weight)
+    assert not int8.w8a8 and not int8.blocks
     expected = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), int8.qweight, int8.scales).float()
     torch.testing.assert_close(int8.linear(x, None), expected)
 
@@ -226,7 +246,7 @@ def test_gguf_blocks_keep_their_codes_and_run_within_the_format(qtype):
         quantized = Int8Weight.from_float(groups.dequantize())
         step = quantized.scales.float()[:, None].expand(rows, cols)
         assert ((quantized.dequantize() - reference).abs() <= step / 2 * (1 + 1e-6)).all()
-        assert_linear_within(quantized.linear(x, None), x, reference, step / 2, activation_error(x, quantized.w8a8))
+        assert_linear_within(quantized.linear(x, None), x, reference, step / 2, int8_activation_error(x, quantized))
     else:  # the codes as they are; the scale and zero rounded to bfloat16
         quantized = Int4Weight.from_groups(groups)
         error = BF16_EPS * (15 * groups.scale.abs() + (groups.offset + 8 * groups.scale).abs())
@@ -366,7 +386,13 @@ def test_tiny_model_logprobs_follow_the_float_engine(tmp_path, quantization, max
 
 SMOLLM2_QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?",
                      "Write a haiku about the sea.", "Who wrote Romeo and Juliet?", "What do bees make?",
-                     "Give me a synonym for happy.", "How many days are in a week?"]
+                     "Give me a synonym for happy.", "How many days are in a week?",
+                     "What is the boiling point of water?", "Name a planet in our solar system.",
+                     "What language is spoken in Brazil?", "Translate 'thank you' into Spanish.",
+                     "What is the opposite of cold?", "How many legs does a spider have?",
+                     "What color is the sky on a clear day?", "Suggest a name for a pet cat."]
+SMOLLM2_TEXTS = ["The three primary colors are", "Once upon a time, in a small village,", "def add(a, b):",
+                 "The quick brown fox"]
 
 
 @pytest.fixture(scope="module")
@@ -380,31 +406,56 @@ def smollm2_prompts():
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_dir(path))
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                            add_generation_prompt=True) for question in SMOLLM2_QUESTIONS]
-    return path, chats + ["The three primary colors are", "Once upon a time, in a small village,"]
+    return path, chats + SMOLLM2_TEXTS
+
+
+def teacher_forced_agreement(float_llm, quantized_llm, prompts) -> tuple[float, float]:
+    """Over every position of the prompts continued by the float engine (32 sampled tokens each): the share where
+    the quantized engine's most likely next token is the float engine's, and the mean |logprob difference| of the
+    token that follows. Unlike greedy runs, which part at the first near-tie, each position counts once."""
+    continued = float_llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True),
+                                   use_tqdm=False)
+    sequences = [float_llm.tokenizer.encode(prompt) + out.token_ids for prompt, out in zip(prompts, continued)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    expected, got = (llm.generate(sequences, params, use_tqdm=False) for llm in (float_llm, quantized_llm))
+    same, differences = [], []
+    for sequence, a, b in zip(sequences, expected, got):
+        for token, logprobs_a, logprobs_b in zip(sequence[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            top_a, top_b = (max(logprobs, key=lambda t: float(logprobs[t])) for logprobs in (logprobs_a, logprobs_b))
+            same.append(top_a == top_b)
+            differences.append(abs(float(logprobs_a[token]) - float(logprobs_b[token])))
+    share, mean = float(np.mean(same)), float(np.mean(differences))
+    print(f"\n{quantized_llm.engine.config.quantization}: the most likely token agrees at {share:.3f} of "
+          f"{len(same)} positions; mean |logprob difference| {mean:.4f}")
+    return share, mean
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization, min_equal, max_logprob_error", [("auto", 7, 0.3), ("int4", 7, 0.3),
-                                                                        ("int8", 4, 0.4)])
-def test_smollm2_greedy_tokens_follow_the_float_engine(smollm2_prompts, quantization, min_equal,
-                                                       max_logprob_error, make_llm):
+@pytest.mark.parametrize("quantization, min_equal, min_share, max_logprob_error", [
+    ("auto", 11, 0.94, 0.07), ("int4", 11, 0.94, 0.07), ("int8", 6, 0.90, 0.14)])
+def test_smollm2_follows_the_float_engine(smollm2_prompts, quantization, min_equal, min_share, max_logprob_error,
+                                          make_llm):
     """The demo's file (Q4_1 codes: "auto" runs them as int4, "int4" requantizes the dequantized weights to groups
-    of 32 again, "int8" to one scale per row) against the float32 engine on the same, dequantized, weights.
-    Measured (10 prompts, 16 tokens): auto and int4 9/10 equal, largest logprob difference while equal 0.12; int8
-    (with int16 activations where the CPU has VNNI) 4/10, 0.21, as weight-only int8 (requantizing 4-bit groups per
-    row adds its own error). int8 activations (W8A8) gave int8 2/10, 0.59. Broken kernels agree on none."""
+    of 32 again, "int8" to one scale per row) against the float32 engine on the same, dequantized, weights, on 20
+    prompts: greedy runs of 16 tokens equal, and (a measure that near-ties do not swing) the most likely token under
+    the float engine's context. Measured on an AVX2 CPU, greedy equal / share agreeing / mean logprob difference:
+    auto and int4 (int4_block_linear) 13/20, 0.971, 0.051, with torch's weight-only kernel 14/20, 0.954, 0.050;
+    int8 (int8_block_linear) 8/20, 0.934, 0.110, weight-only 9/20, 0.972, 0.090. int4 with int8 activation codes
+    tripled the logprob difference (cpu_ops.cpp). Broken kernels agree on none."""
     path, prompts = smollm2_prompts
     float_llm = make_llm(path, quantization="none", max_model_len=512, num_kvcache_blocks=64)
     quantized_llm = make_llm(path, quantization=quantization, max_model_len=512, num_kvcache_blocks=64)
-    equal, worst = greedy_agreement(float_llm, quantized_llm, prompts, 16)
-    assert equal >= min_equal and worst <= max_logprob_error
+    equal, _ = greedy_agreement(float_llm, quantized_llm, prompts, 16)
+    share, mean_error = teacher_forced_agreement(float_llm, quantized_llm, prompts)
+    assert equal >= min_equal and share >= min_share and mean_error <= max_logprob_error
 
 
 @pytest.mark.parametrize("qtype, quantization", [("Q4_0", "auto"), ("Q4_1", "int8")])
 def test_tp2_quantizes_each_shard_as_tp1_does(tiny_llama, qtype, quantization, monkeypatch):
     """Each rank quantizes (or takes the codes of) its own shard after loading it: tp=2 gives tp=1's logits up
     to the bfloat16 rounding of each rank's partial sums (int8 rows of a row-parallel shard get scales of
-    their own, within int8's error)."""
+    their own, within int8's error; where int8 runs int8_block_linear, its activations' int8 codes turn those small
+    differences into a few code flips, up to 0.045 of the largest logit here)."""
     from test_model_runner import make_config, make_runner
     from test_tensor_parallel import AllRanks, _steps
 
@@ -422,8 +473,9 @@ def test_tp2_quantizes_each_shard_as_tp1_does(tiny_llama, qtype, quantization, m
         got = _steps(AllRanks(executor))
     finally:
         executor.shutdown()
+    tolerance = 0.06 if quantization == "int8" else 0.03
     for ours, ref in zip(got, expected):
-        torch.testing.assert_close(ours, ref, atol=0.03 * float(ref.abs().max()), rtol=0.03)
+        torch.testing.assert_close(ours, ref, atol=tolerance * float(ref.abs().max()), rtol=0.03)
 
 
 
@@ -493,17 +545,110 @@ def test_int4_kernel_equals_its_reference(int4_kernel, rows, inputs, dtype):
     assert ((y.float() - expected).abs() <= bound).all(), ((y.float() - expected).abs() / bound).max()
 
 
+@pytest.fixture(scope="module")
+def chunked_kernel():
+    kernel = chunked_int4_kernel()
+    if kernel is None:
+        pytest.skip("nanoserve's int4 kernels do not run here (int4_linear needs AMX and AVX-512 VNNI, "
+                    "int4_block_linear AVX2)")
+    return kernel
+
+
 @pytest.mark.parametrize("rows", [2, 9])
-def test_chunked_int4_weight_computes_with_its_groups(int4_kernel, rows):
-    """ChunkedInt4Weight holds the groups' weight exactly and its linear is F.linear with it, within the kernels'
-    roundings (int16 activation codes, or bfloat16 activations and weights)."""
+def test_chunked_int4_weight_computes_with_its_groups(chunked_kernel, rows):
+    """ChunkedInt4Weight holds the groups' weight exactly and its linear is F.linear with it, within its kernel's
+    roundings (int16 activation codes per row or per block, or bfloat16 activations and weights)."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 192), torch.randn(rows, 192)
     groups = GroupQuantized.from_float(weight)
     quantized = cpu_int4_weight(groups)
-    assert isinstance(quantized, ChunkedInt4Weight) and torch.equal(quantized.dequantize(), groups.dequantize())
+    assert isinstance(quantized, ChunkedInt4Weight) and quantized.kernel == chunked_kernel
+    assert torch.equal(quantized.dequantize(), groups.dequantize())
     held = groups.dequantize()
-    if rows <= INT4_VNNI_MAX_ROWS:
+    if chunked_kernel == "int4_block_linear":
+        assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(held), block_activation_error(x, 2))
+    elif rows <= INT4_VNNI_MAX_ROWS:
         assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(held), activation_error(x, True, 2))
     else:
         assert_linear_within(quantized.linear(x, None), x, held, BF16_EPS * held.abs())
+
+
+# ---- nanoserve's AVX2 kernels with activations in blocks (int4_block_linear, int8_block_linear) ----------------
+@pytest.fixture(scope="module")
+def block_kernels():
+    if cpu_op("int4_block_linear") is None:
+        pytest.skip("nanoserve's C++ CPU kernels are not built for AVX2 here")
+    return cpu_op("int4_block_linear"), cpu_op("int8_block_linear")
+
+
+def hard_activations(rows: int, inputs: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of different magnitudes, an all-zero row, and an outlier row whose terms cancel."""
+    torch.manual_seed(rows * inputs)
+    x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
+    x[0] = 0
+    x[-1, :3] = torch.tensor([1e4, -1e4, 1e-3])
+    return x
+
+
+def assert_within_sum_rounding(y: torch.Tensor, expected: torch.Tensor, terms: torch.Tensor):
+    """y is expected up to float32 sums of terms' size (relative to them: the outlier row's cancelling terms are
+    far larger than its result) and, for bfloat16, y's own rounding."""
+    bound = 1e-5 * terms + (BF16_EPS * expected.abs() if y.dtype == torch.bfloat16 else 0) + 1e-6
+    assert ((y.float() - expected.float()).abs() <= bound).all(), ((y.float() - expected.float()).abs() / bound).max()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 65])  # 4 rows a block
+@pytest.mark.parametrize("inputs", [576, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype):
+    x = hard_activations(rows, inputs, dtype)
+    codes = torch.randint(0, 16, (49, inputs), dtype=torch.uint8)  # 49: three tiles of 16 channels and one more
+    codes[0] = 15  # the largest code everywhere in one channel
+    scale, offset = torch.rand(49, inputs // 32) / 100, torch.randn(49, inputs // 32) / 10
+    packed = pack_int4_chunks(codes)
+    y = block_kernels[0](x, packed, scale, offset)
+    assert y.dtype == dtype and y.shape == (rows, 49)
+    terms = x.float().abs() @ dequantize_int4_chunks(packed, scale, offset).abs().T
+    assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, scale, offset), terms)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 65])
+@pytest.mark.parametrize("inputs", [576, 96])  # 96: three groups
+@pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float32)])
+def test_int8_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype, scale_dtype):
+    """Weight codes of -128 included (their magnitude is the kernel's unsigned operand)."""
+    x = hard_activations(rows, inputs, dtype)
+    qweight = torch.randint(-128, 128, (49, inputs), dtype=torch.int8)
+    scales = (torch.rand(49) / 100).to(scale_dtype)
+    y = block_kernels[1](x, qweight, scales)
+    assert y.dtype == dtype and y.shape == (rows, 49)
+    terms = x.float().abs() @ (qweight.float().abs() * scales.float()[:, None]).T
+    assert_within_sum_rounding(y, int8_block_linear_ref(x.float(), qweight, scales), terms)
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+def test_blocks_quantize_within_half_their_step_and_keep_an_outlier_to_its_block(digits):
+    torch.manual_seed(0)
+    x = torch.randn(3, 128)
+    x[1] = 0
+    codes, step, sums = quantize_blocks_ref(x, digits)
+    assert codes.shape == (3, 4, 32) and step.shape == sums.shape == (3, 4)
+    error = (codes.double() * step[..., None].double()).reshape(3, 128) - x.double()
+    assert (error.abs() <= step.repeat_interleave(32, 1).double() / 2 * (1 + 1e-5)).all()
+    assert (codes[1] == 0).all() and (step[1] == 0).all()
+    torch.testing.assert_close(sums, x.double().reshape(3, 4, 32).sum(-1))
+    spiked = x.clone()
+    spiked[0, 5] = 1e4  # in block 0 of row 0
+    _, spiked_step, _ = quantize_blocks_ref(spiked, digits)
+    assert spiked_step[0, 0] == 1e4 / TOP_CODE[digits] and torch.equal(spiked_step[0, 1:], step[0, 1:])
+
+
+def test_block_reference_is_the_dequantized_product_within_the_activations_step():
+    torch.manual_seed(0)
+    x = torch.randn(4, 128)
+    groups, int8 = GroupQuantized.from_float(torch.randn(96, 128)), Int8Weight.from_float(torch.randn(96, 128))
+    for digits, y, weight in [(2, int4_block_linear_ref(x, pack_int4_chunks(groups.codes), groups.scale,
+                                                        groups.offset), groups.dequantize()),
+                              (1, int8_block_linear_ref(x, int8.qweight, int8.scales), int8.dequantize())]:
+        assert_linear_within(y, x, weight, torch.zeros_like(weight), block_activation_error(x, digits))

@@ -7,21 +7,29 @@ packed float32 and bfloat16; docs/benchmarks.md):
   more). The codes are int16 (ACTIVATION_DIGITS = 2), each the two int8 digits of c = 256 hi + lo, so one int8
   GEMM of twice the rows computes them: with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a
   row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
-  against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, weight-only:
-  `aten._weight_int8pack_mm`, which needs in_features a multiple of INT8_INPUTS_MULTIPLE.
+  against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, where the kernels are built for AVX2,
+  cpu_ops.cpp's int8_block_linear (`runs_blocks`): activations in int8 blocks, as llama.cpp's Q8_0 (each group of
+  BLOCK inputs of a row with its own scale, so an outlier coarsens only its own group), AVX2's u8 x s8 products
+  summed exactly per group. Last, weight-only: `aten._weight_int8pack_mm`, which needs in_features a multiple of
+  INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
   Where the CPU has AMX and VNNI (`runs_int4_kernel`), cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4
   rows VNNI dot products of the codes with int16 activation codes, for more AMX tile products of the weight
-  dequantized to bfloat16 once per 64 rows. Elsewhere `aten._weight_int4pack_mm_for_cpu` (Int4Weight), whose
-  layout holds (scale, offset + 8 * scale): it computes (q - 8) * s + z, and reads and dequantizes the weight again
-  for each row of the activations (it falls behind float32 from ~16 rows). An int8 copy for many rows
-  (requantized per output channel) is not kept: it costs 16% of float32's bytes more and, unlike the codes, is not
-  the weight the file holds (SmolLM2's greedy agreement fell from 9/10 prompts to 4/10).
+  dequantized to bfloat16 once per 64 rows. Without them, where the kernels are built for AVX2, cpu_ops.cpp's
+  int4_block_linear on the same layout: the codes times activations in int16 blocks of BLOCK inputs (llama.cpp's Q4
+  x Q8 dot products with int16 codes: int8 ones tripled SmolLM2's logprob error), each group's integer sum scaled by
+  both groups' scales, the offsets' part from each group's exact sum of x.
+  Elsewhere `aten._weight_int4pack_mm_for_cpu` (Int4Weight), whose layout holds (scale, offset + 8 * scale): it
+  computes (q - 8) * s + z, and reads and dequantizes the weight again for each row of the activations (it falls
+  behind float32 from ~16 rows). An int8 copy for many rows (requantized per output channel) is not kept: it costs
+  16% of float32's bytes more and, unlike the codes, is not the weight the file holds (SmolLM2's greedy agreement
+  fell from 9/10 prompts to 4/10).
 
 `GroupQuantized` is the one format weights arrive in before they reach a kernel's layout: a GGUF file's blocks
 (models/gguf.py keeps their codes, scales and mins) and float weights quantized at load both become one.
-Both kernels take bfloat16 activations (with float32 ones they are 5-30x slower): a float32 model's activations
-are rounded to bfloat16 on the way in and its outputs widened on the way out; the kernels accumulate in float32.
+torch's two weight-only kernels take bfloat16 activations (with float32 ones they are 5-30x slower): a float32
+model's activations are rounded to bfloat16 on the way in and its outputs widened on the way out; the kernels
+accumulate in float32.
 Scales and offsets are held in bfloat16 too, and the codes are computed against the rounded scales, so that what
 the kernel multiplies is exactly the quantized weight.
 
@@ -38,7 +46,7 @@ import torch
 from torch import nn
 
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import (INT4_CHUNK, dequantize_int4_chunks, dequantize_int4_groups,
+from nanoserve.kernels.reference import (INT4_CHUNK, BLOCK, dequantize_int4_chunks, dequantize_int4_groups,
                                         int4_group_matmul_ref, int8_matmul_ref, pack_int4, pack_int4_chunks)
 from nanoserve.layers.activation import cuda_op
 
@@ -99,6 +107,13 @@ def exact_int8_gemm() -> bool:
     return bool((torch._int_mm(codes, codes.t()) == 64 * 127 * 127).all())
 
 
+def runs_blocks(weight: torch.Tensor) -> bool:
+    """Whether an int8 weight on this device computes with activations in int8 blocks (int8_block_linear): on a CPU
+    without w8a8_linear, where the kernels are built for AVX2, with inputs in whole blocks."""
+    return (weight.is_cpu and weight.shape[1] % BLOCK == 0 and not runs_w8a8(weight)
+            and cpu_op("int8_block_linear") is not None)
+
+
 def runs_triton(weight: torch.Tensor) -> bool:
     """Whether a weight's matmul is a Triton kernel: on CUDA. (Tests send CPU tensors there, in the interpreter.)"""
     return weight.is_cuda
@@ -118,7 +133,7 @@ class Int8Weight:
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         self.qweight, self.scales = qweight, scales
-        self.w8a8 = runs_w8a8(qweight)
+        self.w8a8, self.blocks = runs_w8a8(qweight), runs_blocks(qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
@@ -133,6 +148,8 @@ class Int8Weight:
             y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
         elif self.w8a8:
             y = cpu_op("w8a8_linear")(x, self.qweight, self.scales, ACTIVATION_DIGITS)
+        elif self.blocks:
+            y = cpu_op("int8_block_linear")(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
@@ -195,13 +212,23 @@ def int4_kernel_works() -> bool:
         return False
 
 
+def chunked_int4_kernel() -> str | None:
+    """The cpu_ops kernel a ChunkedInt4Weight computes with here: int4_linear (AMX and VNNI), else int4_block_linear
+    (AVX2), else None (torch's kernel: Int4Weight)."""
+    if int4_kernel_works():
+        return "int4_linear"
+    return "int4_block_linear" if cpu_op("int4_block_linear") is not None else None
+
+
 def runs_int4_kernel(rows: int, cols: int) -> bool:
-    """Whether a 4-bit weight [rows, cols] on the CPU computes with cpu_ops.cpp's int4_linear (ChunkedInt4Weight)."""
-    return rows % INT4_ROWS_MULTIPLE == 0 and cols % INT4_CHUNK == 0 and int4_kernel_works()
+    """Whether a 4-bit weight [rows, cols] on the CPU computes with one of nanoserve's int4 kernels
+    (ChunkedInt4Weight): int4_linear's AMX tiles need 16 | rows, both kernels whole chunks of inputs."""
+    kernel = chunked_int4_kernel()
+    return cols % INT4_CHUNK == 0 and kernel is not None and (kernel != "int4_linear" or rows % INT4_ROWS_MULTIPLE == 0)
 
 
 def cpu_int4_weight(groups: GroupQuantized) -> ChunkedInt4Weight | Int4Weight:
-    """A 4-bit weight for the CPU: nanoserve's kernel's layout where it runs, else torch's (ValueError for a shape
+    """A 4-bit weight for the CPU: nanoserve's kernels' layout where one runs, else torch's (ValueError for a shape
     or codes neither can hold)."""
     if runs_int4_kernel(*groups.codes.shape) and groups.group == GROUP_SIZE:
         return ChunkedInt4Weight.from_groups(groups)
@@ -233,11 +260,16 @@ class GroupPackedInt4:
 
 
 class ChunkedInt4Weight(GroupPackedInt4):
-    """For cpu_ops.cpp's int4_linear: codes in chunks of 64 (reference.pack_int4_chunks)."""
+    """For cpu_ops.cpp's int4_linear or int4_block_linear (chunked_int4_kernel): codes in chunks of 64
+    (reference.pack_int4_chunks)."""
     pack = staticmethod(pack_int4_chunks)
 
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+        super().__init__(packed, scale, offset)
+        self.kernel = chunked_int4_kernel()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
+        y = cpu_op(self.kernel)(x, self.packed, self.scale, self.offset)
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
