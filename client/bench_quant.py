@@ -7,7 +7,7 @@ each layer's weights its own (as in the model: what one step reads does not sit 
 [49152, 576]. Formats: oneDNN's packed float32 (nanoserve's float path) and bfloat16, torch's weight-only int8
 and int4 CPU kernels (with float32 and with bfloat16 activations), nanoserve's int4 kernel (cpu_ops.cpp's
 int4_linear, where the CPU has AMX and VNNI: ChunkedInt4Weight), nanoserve's AVX2 kernels with activations in
-blocks of 32 (int4_block_linear, int16 codes; int8_block_linear, int8 codes), int8 weights with each activation row
+blocks of 32 (int4_block_linear and int8_block_linear, int16 codes), int8 weights with each activation row
 quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
 int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
 oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
@@ -84,7 +84,7 @@ def int4_block_matmul(weight):
 
 
 def int8_block_matmul(weight):
-    """cpu_ops.cpp's int8_block_linear: activations in int8 blocks of 32 (Int8Weight without VNNI)."""
+    """cpu_ops.cpp's int8_block_linear: activations in int16 blocks of 32 (Int8Weight without VNNI)."""
     quantized, kernel = Int8Weight.from_float(weight), cpu_op("int8_block_linear")
     return lambda x: kernel(x, quantized.qweight, quantized.scales)
 
@@ -113,7 +113,7 @@ FORMATS = {
     "int4 weight-only, group 32, bf16 activations": int4_matmul,
     "int4, group 32, int4_linear (VNNI up to 4 rows, AMX above)": chunked_int4_matmul,
     "int4, group 32, int4_block_linear (AVX2; int16 activation blocks of 32)": int4_block_matmul,
-    "int8, int8_block_linear (AVX2; int8 activation blocks of 32, as llama.cpp's Q8_0)": int8_block_matmul,
+    "int8, int8_block_linear (AVX2; int16 activation blocks of 32)": int8_block_matmul,
     "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
     "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),
     "dynamic int8 (x86 quantized engine)": dynamic_int8_matmul,

@@ -16,7 +16,7 @@ print(importlib.util.find_spec("model"))
 
 def test_a_checkout_folder_named_nanoserve_does_not_shadow_the_package(tmp_path):
     checkout = tmp_path / "nanoserve"
-    for folder in ("backend/nanoserve", "kernels", "client", "model_repository"):
+    for folder in ("backend/nanoserve", "client", "model_repository"):
         (checkout / folder).mkdir(parents=True)
     (checkout / "README.md").write_text("# nanoserve\n")
     done = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -46,3 +46,17 @@ def test_the_backend_file_imports_no_torch():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_no_package_at_the_repository_root_shadows_an_installed_one():
+    """Python run from the checkout (`python -m ...`, the image's build steps) puts the root on sys.path first: a
+    package there would shadow an installed one of the same name (transformers 5.25 imports the Hub's `kernels`)."""
+    from importlib.metadata import packages_distributions
+
+    root = Path(__file__).resolve().parents[1]
+    installed = packages_distributions()
+    assert [folder.name for folder in root.iterdir()
+            if (folder / "__init__.py").exists() and folder.name in installed] == []
+    done = subprocess.run([sys.executable, "-c", "from transformers import LlamaConfig"], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

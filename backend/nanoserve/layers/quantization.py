@@ -8,10 +8,10 @@ packed float32 and bfloat16; docs/benchmarks.md):
   GEMM of twice the rows computes them: with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a
   row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
   against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, where the kernels are built for AVX2,
-  cpu_ops.cpp's int8_block_linear (`runs_blocks`): activations in int8 blocks, as llama.cpp's Q8_0 (each group of
-  BLOCK inputs of a row with its own scale, so an outlier coarsens only its own group), AVX2's u8 x s8 products
-  summed exactly per group. Last, weight-only: `aten._weight_int8pack_mm`, which needs in_features a multiple of
-  INT8_INPUTS_MULTIPLE.
+  cpu_ops.cpp's int8_block_linear (`runs_blocks`): activations in int16 blocks, as llama.cpp's Q8_0 blocks but
+  with int16 codes (each group of BLOCK inputs of a row with its own scale, so an outlier coarsens only its own
+  group), AVX2's int16 products summed exactly per group. Last, weight-only: `aten._weight_int8pack_mm`, which
+  needs in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
   Where the CPU has AMX and VNNI (`runs_int4_kernel`), cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4
   rows VNNI dot products of the codes with int16 activation codes, for more AMX tile products of the weight
@@ -108,7 +108,7 @@ def exact_int8_gemm() -> bool:
 
 
 def runs_blocks(weight: torch.Tensor) -> bool:
-    """Whether an int8 weight on this device computes with activations in int8 blocks (int8_block_linear): on a CPU
+    """Whether an int8 weight on this device computes with activations in int16 blocks (int8_block_linear): on a CPU
     without w8a8_linear, where the kernels are built for AVX2, with inputs in whole blocks."""
     return (weight.is_cpu and weight.shape[1] % BLOCK == 0 and not runs_w8a8(weight)
             and cpu_op("int8_block_linear") is not None)

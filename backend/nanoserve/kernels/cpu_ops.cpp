@@ -790,28 +790,28 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed_in, cons
 
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Activations in blocks, as llama.cpp's Q8_0: each row of x in groups of kBlock inputs, each group with its own scale
-// d = max |x| / the largest code, so that an outlier coarsens only its own group (one scale per row rounds a row with
-// SmolLM2's outlier channels to a few codes). Each group's integer sum is exact and scaled as it is made:
-// - int4_block_linear: 4-bit weights in pack_int4_chunks' layout, w = q * scale + offset per group, times int16 codes
-//   (kTop2 at most), AVX2's int16 pair products (madd); the offsets' part adds offset times the group's exact sum of
-//   x. (int8 codes, llama.cpp's Q4 x Q8, tripled SmolLM2's teacher-forced logprob error against the float
-//   engine's, where int16 ones are within torch's weight-only kernel's.)
-// - int8_block_linear: int8 weights with one scale per output channel times int8 codes (127 at most), AVX2's u8 x s8
-//   pair products (maddubs, exact: every pair sum is below 2^15) with the weight's sign moved onto the codes.
+// Activations in blocks, as llama.cpp's Q8_0 but in int16 codes: each row of x in groups of kBlock inputs, each group
+// with its own scale d = max |x| / kTop2, so that an outlier coarsens only its own group (one scale per row rounds a
+// row with SmolLM2's outlier channels to a few codes). Each group's integer sum is exact (AVX2's int16 pair products,
+// madd) and scaled as it is made:
+// - int4_block_linear: 4-bit weights in pack_int4_chunks' layout, w = q * scale + offset per group; the offsets'
+//   part adds offset times the group's exact sum of x.
+// - int8_block_linear: int8 weights with one scale per output channel, applied at the end.
+// int8 codes (llama.cpp's Q4 x Q8 and Q8 x Q8) tripled SmolLM2's teacher-forced logprob error against the float
+// engine's and flipped the demo's answer; int16 ones are within torch's weight-only kernel's.
 // Each channel's groups are loaded once for kBlockRows rows (for_tiles).
 constexpr int64_t kBlock = 32;
 constexpr int64_t kBlockRows = 4;
 
 struct Blocks {
-  at::Tensor codes;           // [T, K]: int8 or int16
+  at::Tensor codes;           // [T, K] int16
   at::Tensor scales, sums;    // [T, K / kBlock] float32: each group's d and its sum of x
 };
 
-template <typename Code, typename T>
-void quantize_block_row(Code* codes, float* scales, float* sums, const T* x, float* buf, int64_t k) {
+template <typename T>
+void quantize_block_row(int16_t* codes, float* scales, float* sums, const T* x, float* buf, int64_t k) {
   const float* xr = as_float(x, buf, k);
-  const float top_code = std::is_same_v<Code, int8_t> ? 127.f : static_cast<float>(kTop2);
+  const float top_code = static_cast<float>(kTop2);
   for (int64_t g = 0; g < k / kBlock; ++g) {
     const float* xg = xr + g * kBlock;
     float top = 0.f, sum = 0.f;
@@ -822,22 +822,21 @@ void quantize_block_row(Code* codes, float* scales, float* sums, const T* x, flo
       _mm256_store_si256(reinterpret_cast<__m256i*>(rounded),
                          _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + i), inv),
                                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-      for (int64_t j = 0; j < 8; ++j) codes[g * kBlock + i + j] = static_cast<Code>(rounded[j]);
+      for (int64_t j = 0; j < 8; ++j) codes[g * kBlock + i + j] = static_cast<int16_t>(rounded[j]);
     }
     scales[g] = top / top_code, sums[g] = sum;
   }
 }
 
-template <typename Code>
 Blocks quantize_blocks(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), groups = k / kBlock;
   const auto floats = x.options().dtype(at::kFloat);
-  Blocks b{at::empty({rows, k}, x.options().dtype(std::is_same_v<Code, int8_t> ? at::kChar : at::kShort)),
+  Blocks b{at::empty({rows, k}, x.options().dtype(at::kShort)),
            at::empty({rows, groups}, floats), at::empty({rows, groups}, floats)};
   DISPATCH_FLOATS(x.scalar_type(), "quantize_blocks", [&] {
     std::vector<float> buf(k);
     for (int64_t r = 0; r < rows; ++r)
-      quantize_block_row(b.codes.data_ptr<Code>() + r * k, b.scales.data_ptr<float>() + r * groups,
+      quantize_block_row(b.codes.data_ptr<int16_t>() + r * k, b.scales.data_ptr<float>() + r * groups,
                          b.sums.data_ptr<float>() + r * groups, x.data_ptr<scalar_t>() + r * k, buf.data(), k);
   });
   return b;
@@ -849,8 +848,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-template <typename Code>
-inline __m256i load_codes(const Code* codes) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)); }
+inline __m256i load_codes(const int16_t* codes) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)); }
+
+// 16 int8 weights as int16
+inline __m256i widened(const int8_t* w) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
 
 // half h (16 bytes) of a chunk of pack_int4_chunks codes as int16: its low nibbles, codes 16 h .. 16 h + 15 of the
 // chunk, and its high ones, codes 32 + 16 h .. 32 + 16 h + 15
@@ -897,22 +900,22 @@ void int4_rows(float* out, int64_t n, const int16_t* codes, const float* d, cons
   }
 }
 
-// out[r * n + c] = scales[c] * sum over groups of d[r, g] * (w . codes), for R rows of int8 block codes (with their d)
-// and the channels c in [first, last)
+// out[r * n + c] = scales[c] * sum over groups of d[r, g] * (w . codes), for R rows of int16 block codes (with their
+// d) and the channels c in [first, last)
 template <int64_t R, typename S>
-void int8_rows(float* out, int64_t n, const int8_t* codes, const float* d, const int8_t* qweight, const S* scales,
+void int8_rows(float* out, int64_t n, const int16_t* codes, const float* d, const int8_t* qweight, const S* scales,
                int64_t k, int64_t first, int64_t last) {
   const int64_t groups = k / kBlock;
-  const __m256i one = _mm256_set1_epi16(1);
   for (int64_t c = first; c < last; ++c) {
     const int8_t* w = qweight + c * k;
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const __m256i wv = load_codes(w + g * kBlock), magnitude = _mm256_abs_epi8(wv);  // |-128|: 128, unsigned
+      const __m256i low = widened(w + g * kBlock), high = widened(w + g * kBlock + 16);
       for (int64_t r = 0; r < R; ++r) {
-        const __m256i signed_codes = _mm256_sign_epi8(load_codes(codes + r * k + g * kBlock), wv);
-        const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_codes), one);
+        const int16_t* x = codes + r * k + g * kBlock;
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(low, load_codes(x)),
+                                             _mm256_madd_epi16(high, load_codes(x + 16)));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(d[r * groups + g]), acc[r]);
       }
     }
@@ -956,7 +959,7 @@ at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in
   const auto x = x_in.contiguous(), packed = packed_in.contiguous();
   const auto scale = scale_in.contiguous(), offset = offset_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kBlock;
-  const Blocks b = quantize_blocks<int16_t>(x);
+  const Blocks b = quantize_blocks(x);
   auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const int16_t* codes = b.codes.data_ptr<int16_t>();
@@ -970,7 +973,7 @@ at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in
   return out.to(x_in.scalar_type());
 }
 
-// reference.int8_block_linear_ref: x [T, K] in int8 blocks @ (qweight [N, K] int8 * scales [N])^T, in x's dtype.
+// reference.int8_block_linear_ref: x [T, K] in int16 blocks @ (qweight [N, K] int8 * scales [N])^T, in x's dtype.
 // K: a multiple of 32.
 at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in) {
   TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&
@@ -980,10 +983,11 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
               "x: [T, K], K a multiple of 32; qweight: [N, K] int8; scales: [N] float32 or bfloat16");
   const auto x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), groups = k / kBlock;
-  const Blocks b = quantize_blocks<int8_t>(x);
+  const Blocks b = quantize_blocks(x);
   auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  const int8_t *codes = b.codes.data_ptr<int8_t>(), *w = qweight.data_ptr<int8_t>();
+  const int16_t* codes = b.codes.data_ptr<int16_t>();
+  const int8_t* w = qweight.data_ptr<int8_t>();
   const float* d = b.scales.data_ptr<float>();
   const auto run = [&](const auto* channel_scales) {
     for_tiles(rows, n, k, [&](auto R, int64_t r, int64_t first, int64_t last) {

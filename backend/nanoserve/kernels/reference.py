@@ -275,40 +275,41 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 
 BLOCK = 32  # activations per block (as llama.cpp's Q8_0 blocks): cpu_ops.cpp's kBlock
+BLOCK_TOP = TOP_CODE[2]  # blocks hold int16 codes: int8 ones lose too much on real models (cpu_ops.cpp)
 
 
-def quantize_blocks_ref(x: torch.Tensor, digits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, K] in blocks: per group of BLOCK inputs of a row, integer codes round(x * top / max |x|) [T, K / 32, 32]
-    (top = TOP_CODE[digits]: int8 codes, or int16 ones), the group's scale
-    d = max |x| / top and its sum of x (float64), each [T, K / 32]. |error| <= d / 2."""
+def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] in blocks: per group of BLOCK inputs of a row, int16 codes round(x * BLOCK_TOP / max |x|)
+    [T, K / 32, 32], the group's scale d = max |x| / BLOCK_TOP and its sum of x (float64), each [T, K / 32].
+    |error| <= d / 2."""
     groups = x.float().reshape(x.shape[0], -1, BLOCK)
     top = groups.abs().amax(dim=-1)
-    inv = torch.where(top > 0, torch.full_like(top, TOP_CODE[digits]).div(top), torch.zeros_like(top))
-    codes = (groups * inv[..., None]).round().to(torch.int8 if digits == 1 else torch.int16)
-    return codes, top / TOP_CODE[digits], groups.double().sum(-1)
+    inv = torch.where(top > 0, torch.full_like(top, BLOCK_TOP).div(top), torch.zeros_like(top))
+    codes = (groups * inv[..., None]).round().to(torch.int16)
+    return codes, top / BLOCK_TOP, groups.double().sum(-1)
 
 
-def _block_products(x: torch.Tensor, weight_codes: torch.Tensor, digits: int):
+def _block_products(x: torch.Tensor, weight_codes: torch.Tensor):
     """The exact integer products of x's block codes with weight codes [N, K], per group [T, N, K / 32] (float64),
     with the groups' scales and sums (quantize_blocks_ref)."""
-    codes, d, sums = quantize_blocks_ref(x, digits)
+    codes, d, sums = quantize_blocks_ref(x)
     w = weight_codes.double().reshape(weight_codes.shape[0], -1, BLOCK)
     return torch.einsum("tgi,ngi->tng", codes.double(), w), d.double(), sums
 
 
 def int4_block_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                           offset: torch.Tensor) -> torch.Tensor:
-    """cpu_ops.cpp's int4_block_linear: x [T, K] in int16 blocks @ the 4-bit weight^T (pack_int4_chunks codes,
+    """cpu_ops.cpp's int4_block_linear: x [T, K] in blocks @ the 4-bit weight^T (pack_int4_chunks codes,
     w = q * scale + offset per group): per group the integer sum of codes x q times the group's two scales, plus
     its offset times the group's exact sum of x; in float64, then x's dtype."""
-    per_group, d, sums = _block_products(x, unpack_int4_chunks(packed), 2)
+    per_group, d, sums = _block_products(x, unpack_int4_chunks(packed))
     y = (per_group * scale.double()[None] * d[:, None]).sum(-1) + sums @ offset.double().T
     return y.to(x.dtype)
 
 
 def int8_block_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """cpu_ops.cpp's int8_block_linear: x [T, K] in int8 blocks (llama.cpp's Q8_0) @ (qweight [N, K] int8 *
-    scales [N])^T: per group the integer sum of codes x qweight times the group's scale, summed, times the
-    channel's scale; in float64, then x's dtype."""
-    per_group, d, _ = _block_products(x, qweight, 1)
+    """cpu_ops.cpp's int8_block_linear: x [T, K] in blocks @ (qweight [N, K] int8 * scales [N])^T: per group the
+    integer sum of codes x qweight times the group's scale, summed, times the channel's scale; in float64, then
+    x's dtype."""
+    per_group, d, _ = _block_products(x, qweight)
     return ((per_group * d[:, None]).sum(-1) * scales.double()).to(x.dtype)
