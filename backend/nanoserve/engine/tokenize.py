@@ -48,15 +48,19 @@ def prompt_bytes_error(text: str, max_bytes: int | None) -> RequestError | None:
 
 
 def encode_prompt_text(tokenizer, text: str, max_bytes: int | None = None) -> list[int]:
-    """max_bytes (max_prompt_bytes): reject a longer text with a ValueError naming the prompt, untokenized."""
-    check_prompt_bytes(text, max_bytes)
-    return tokenizer.encode(text, add_special_tokens=True)
+    """One text's token ids (encode_prompt_texts); max_bytes (max_prompt_bytes): a longer text is rejected with a
+    RequestError (a ValueError) naming the prompt, untokenized."""
+    (encoded,) = encode_prompt_texts(tokenizer, [text], max_bytes)
+    if isinstance(encoded, RequestError):
+        raise encoded
+    return encoded
 
 
 def encode_prompt_texts(tokenizer, texts: list[str], max_bytes: int | None) -> list[list[int] | RequestError]:
-    """encode_prompt_text of each text, in one call to the tokenizer (a fast tokenizer encodes a batch without
-    holding the GIL); a text that cannot fit gets its RequestError in its place (made, never raised: a caught
-    exception's traceback would hold this frame, and with it every text, until the cycle collector runs)."""
+    """Each text's token ids with the tokenizer's special tokens, in one call to the tokenizer (a fast tokenizer
+    encodes a batch without holding the GIL); a text that cannot fit gets its RequestError in its place (made,
+    never raised: a caught exception's traceback would hold this frame, and with it every text, until the cycle
+    collector runs)."""
     results = [prompt_bytes_error(text, max_bytes) for text in texts]
     fitting = [text for text, result in zip(texts, results) if result is None]
     encoded = iter(tokenizer(fitting, add_special_tokens=True, return_attention_mask=False)["input_ids"]
