@@ -27,7 +27,6 @@ import torch
 
 import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
 from nanoserve.kernels.cpu_ops import cpu_op
-from nanoserve.kernels.reference import pack_int4_chunks
 from nanoserve.layers.linear import linear, pack_weight
 from nanoserve.layers.quantization import (KERNEL_DTYPE, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
                                            int4_kernel_works)
@@ -78,9 +77,9 @@ def chunked_int4_matmul(weight):
 
 def int4_block_matmul(weight):
     """cpu_ops.cpp's int4_block_linear: activations in int16 blocks of 32 (ChunkedInt4Weight without AMX)."""
-    quantized = GroupQuantized.from_float(weight)
-    packed, kernel = pack_int4_chunks(quantized.codes), cpu_op("int4_block_linear")
-    return lambda x: kernel(x, packed, quantized.scale, quantized.offset)
+    quantized = ChunkedInt4Weight.from_groups(GroupQuantized.from_float(weight))
+    kernel = cpu_op("int4_block_linear")
+    return lambda x: kernel(x, quantized.packed, quantized.scale, quantized.offset)
 
 
 def int8_block_matmul(weight):

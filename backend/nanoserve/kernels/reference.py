@@ -273,20 +273,17 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (sums.float() * row_scale[:, None] * scales.float()).to(x.dtype)
 
 
-
 BLOCK = 32  # activations per block (as llama.cpp's Q8_0 blocks): cpu_ops.cpp's kBlock
 BLOCK_TOP = TOP_CODE[2]  # blocks hold int16 codes: int8 ones lose too much on real models (cpu_ops.cpp)
 
 
 def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, K] in blocks: per group of BLOCK inputs of a row, int16 codes round(x * BLOCK_TOP / max |x|)
-    [T, K / 32, 32], the group's scale d = max |x| / BLOCK_TOP and its sum of x (float64), each [T, K / 32].
-    |error| <= d / 2."""
+    """x [T, K] in blocks: each group of BLOCK inputs of a row quantized as a row of its own (quantize_rows_ref,
+    digits=2): int16 codes [T, K / 32, 32], the group's scale d = max |x| / BLOCK_TOP and its sum of x (float64),
+    each [T, K / 32]. |error| <= d / 2."""
     groups = x.float().reshape(x.shape[0], -1, BLOCK)
-    top = groups.abs().amax(dim=-1)
-    inv = torch.where(top > 0, torch.full_like(top, BLOCK_TOP).div(top), torch.zeros_like(top))
-    codes = (groups * inv[..., None]).round().to(torch.int16)
-    return codes, top / BLOCK_TOP, groups.double().sum(-1)
+    codes, d = quantize_rows_ref(groups.reshape(-1, BLOCK), 2)
+    return codes.reshape(groups.shape), d.reshape(groups.shape[:2]), groups.double().sum(-1)
 
 
 def _block_products(x: torch.Tensor, weight_codes: torch.Tensor):
