@@ -29,7 +29,7 @@ import nanoserve  # noqa: F401  (Intel OpenMP, as the engine runs)
 from nanoserve.kernels.cpu_ops import cpu_op
 from nanoserve.layers.linear import linear, pack_weight
 from nanoserve.layers.quantization import (KERNEL_DTYPE, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
-                                           int4_kernel_works)
+                                           InterleavedInt4Weight, int4_kernel_works)
 
 HIDDEN, INTERMEDIATE, VOCAB, QKV = 576, 1536, 49152, 960
 LAYER_SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
@@ -76,10 +76,9 @@ def chunked_int4_matmul(weight):
 
 
 def int4_block_matmul(weight):
-    """cpu_ops.cpp's int4_block_linear: activations in int16 blocks of 32 (ChunkedInt4Weight without AMX)."""
-    quantized = ChunkedInt4Weight.from_groups(GroupQuantized.from_float(weight))
-    kernel = cpu_op("int4_block_linear")
-    return lambda x: kernel(x, quantized.packed, quantized.scale, quantized.offset)
+    """cpu_ops.cpp's int4_block_linear: activations in int16 blocks of 32 (InterleavedInt4Weight, without AMX)."""
+    quantized = InterleavedInt4Weight.from_groups(GroupQuantized.from_float(weight))
+    return lambda x: quantized.linear(x, None)
 
 
 def int8_block_matmul(weight):

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from kernel_cache import cache_with_kernels
@@ -18,13 +20,15 @@ from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch, StackedLoRA
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import (BLOCK, BLOCK_TOP, TOP_CODE, dequantize_int4_chunks, int4_block_linear_ref,
-                                        int4_linear_bf16_ref, int4_linear_int16_ref, int8_block_linear_ref,
-                                        pack_int4_chunks, quantize_blocks_ref, quantize_rows_ref, split_digits,
-                                        unpack_int4_chunks, w8a8_linear_ref)
+from nanoserve.kernels.reference import (BLOCK, BLOCK_TOP, TOP_CODE, deinterleave_groups, dequantize_int4_chunks,
+                                        dequantize_int4_interleaved, int4_block_linear_ref, int4_linear_bf16_ref,
+                                        int4_linear_int16_ref, int8_block_linear_ref, interleave_groups,
+                                        pack_int4_chunks, pack_int4_interleaved, quantize_blocks_ref,
+                                        quantize_rows_ref, split_digits, unpack_int4_chunks,
+                                        unpack_int4_interleaved, w8a8_linear_ref)
 from nanoserve.layers import quantization as quantization_layer
 from nanoserve.layers.quantization import (ACTIVATION_DIGITS, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
-                                           chunked_int4_kernel, cpu_int4_weight, exact_int8_gemm, int4_kernel_works,
+                                           InterleavedInt4Weight, cpu_int4_weight, exact_int8_gemm, int4_kernel_works,
                                            runs_blocks, runs_w8a8)
 from nanoserve.models.gguf import group_quantized
 from nanoserve.models.quantize import INT8_INPUTS_REASON, quantize_weights
@@ -543,32 +547,49 @@ def test_int4_kernel_equals_its_reference(int4_kernel, rows, inputs, dtype):
     assert ((y.float() - expected).abs() <= bound).all(), ((y.float() - expected).abs() / bound).max()
 
 
-@pytest.fixture(scope="module")
-def chunked_kernel():
-    kernel = chunked_int4_kernel()
-    if kernel is None:
-        pytest.skip("nanoserve's int4 kernels do not run here (int4_linear needs AMX and AVX-512 VNNI, "
-                    "int4_block_linear AVX2)")
-    return kernel
-
-
 @pytest.mark.parametrize("rows", [2, 9])
-def test_chunked_int4_weight_computes_with_its_groups(chunked_kernel, rows):
-    """ChunkedInt4Weight holds the groups' weight exactly and its linear is F.linear with it, within its kernel's
-    roundings (int16 activation codes per row or per block, or bfloat16 activations and weights)."""
+def test_the_cpus_int4_weight_computes_with_its_groups(rows):
+    """cpu_int4_weight's layout holds the groups' weight exactly and its linear is F.linear with it, within its
+    kernel's roundings (int16 activation codes per row or per block, or bfloat16 activations and weights)."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 192), torch.randn(rows, 192)
     groups = GroupQuantized.from_float(weight)
     quantized = cpu_int4_weight(groups)
-    assert isinstance(quantized, ChunkedInt4Weight) and quantized.kernel == chunked_kernel
+    expected_type = (ChunkedInt4Weight if int4_kernel_works() else
+                     InterleavedInt4Weight if cpu_op("int4_block_linear") is not None else Int4Weight)
+    assert type(quantized) is expected_type
+    if expected_type is Int4Weight:
+        pytest.skip("nanoserve's int4 kernels do not run here (int4_linear needs AMX and AVX-512 VNNI, "
+                    "int4_block_linear AVX2)")
     assert torch.equal(quantized.dequantize(), groups.dequantize())
     held = groups.dequantize()
-    if chunked_kernel == "int4_block_linear":
+    if expected_type is InterleavedInt4Weight:
         assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(held), block_activation_error(x))
     elif rows <= INT4_VNNI_MAX_ROWS:
         assert_linear_within(quantized.linear(x, None), x, held, torch.zeros_like(held), activation_error(x, True, 2))
     else:
         assert_linear_within(quantized.linear(x, None), x, held, BF16_EPS * held.abs())
+
+
+@pytest.mark.parametrize("channels", [1, 8, 13, 24])
+@given(data=st.data())
+@settings(max_examples=20, deadline=None)
+def test_int4_interleaved_layout_packs_and_unpacks_in_order(channels, data):
+    """Blocks of 8 channels, the last padded: run j of a group holds inputs 2j, 2j + 1 (low nibbles) and 16 + 2j,
+    17 + 2j (high ones) of each channel in turn; the groups' scales interleave alike."""
+    groups = data.draw(st.integers(1, 4))
+    torch.manual_seed(data.draw(st.integers(0, 2 ** 16)))
+    codes = torch.randint(0, 16, (channels, 32 * groups), dtype=torch.uint8)
+    packed = pack_int4_interleaved(codes)
+    blocks = -(-channels // 8)
+    assert packed.shape == (blocks, 128 * groups) and torch.equal(unpack_int4_interleaved(packed, channels), codes)
+    c, g, j, p = (data.draw(st.integers(0, top - 1)) for top in (channels, groups, 8, 2))
+    byte = int(packed[c // 8, 128 * g + 16 * j + 2 * (c % 8) + p])
+    assert (byte & 0xF, byte >> 4) == (codes[c, 32 * g + 2 * j + p], codes[c, 32 * g + 16 + 2 * j + p])
+    scale = torch.rand(channels, groups)
+    held = interleave_groups(scale)
+    assert held.shape == (blocks, 8 * groups) and held[c // 8, 8 * g + c % 8] == scale[c, g]
+    assert torch.equal(deinterleave_groups(held, channels), scale)
 
 
 # ---- nanoserve's AVX2 kernels with activations in blocks (int4_block_linear, int8_block_linear) ----------------
@@ -595,19 +616,19 @@ def assert_within_sum_rounding(y: torch.Tensor, expected: torch.Tensor, terms: t
     assert ((y.float() - expected.float()).abs() <= bound).all(), ((y.float() - expected.float()).abs() / bound).max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 65])  # 4 rows a block
-@pytest.mark.parametrize("inputs", [576, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 65])  # 6 rows a pass
+@pytest.mark.parametrize("inputs", [576, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype):
     x = hard_activations(rows, inputs, dtype)
-    codes = torch.randint(0, 16, (49, inputs), dtype=torch.uint8)  # 49: three tiles of 16 channels and one more
+    codes = torch.randint(0, 16, (49, inputs), dtype=torch.uint8)  # 49: six blocks of 8 channels and one more
     codes[0] = 15  # the largest code everywhere in one channel
     scale, offset = torch.rand(49, inputs // 32) / 100, torch.randn(49, inputs // 32) / 10
-    packed = pack_int4_chunks(codes)
-    y = block_kernels[0](x, packed, scale, offset)
+    packed, held_scale, held_offset = pack_int4_interleaved(codes), interleave_groups(scale), interleave_groups(offset)
+    y = block_kernels[0](x, packed, held_scale, held_offset, 49)
     assert y.dtype == dtype and y.shape == (rows, 49)
-    terms = x.float().abs() @ dequantize_int4_chunks(packed, scale, offset).abs().T
-    assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, scale, offset), terms)
+    terms = x.float().abs() @ dequantize_int4_interleaved(packed, held_scale, held_offset, 49).abs().T
+    assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, held_scale, held_offset, 49), terms)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 65])
@@ -645,7 +666,7 @@ def test_block_reference_is_the_dequantized_product_within_the_activations_step(
     torch.manual_seed(0)
     x = torch.randn(4, 128)
     groups, int8 = GroupQuantized.from_float(torch.randn(96, 128)), Int8Weight.from_float(torch.randn(96, 128))
-    for y, weight in [(int4_block_linear_ref(x, pack_int4_chunks(groups.codes), groups.scale, groups.offset),
-                       groups.dequantize()),
+    for y, weight in [(int4_block_linear_ref(x, pack_int4_interleaved(groups.codes), interleave_groups(groups.scale),
+                                             interleave_groups(groups.offset), 96), groups.dequantize()),
                       (int8_block_linear_ref(x, int8.qweight, int8.scales), int8.dequantize())]:
         assert_linear_within(y, x, weight, torch.zeros_like(weight), block_activation_error(x))

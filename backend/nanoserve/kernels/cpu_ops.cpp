@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -794,14 +795,17 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& packed_in, cons
 // with its own scale d = max |x| / kTop2, so that an outlier coarsens only its own group (one scale per row rounds a
 // row with SmolLM2's outlier channels to a few codes). Each group's integer sum is exact (AVX2's int16 pair products,
 // madd) and scaled as it is made:
-// - int4_block_linear: 4-bit weights in pack_int4_chunks' layout, w = q * scale + offset per group; the offsets'
-//   part adds offset times the group's exact sum of x.
+// - int4_block_linear: 4-bit weights in pack_int4_interleaved's layout, w = q * scale + offset per group; the
+//   offsets' part adds offset times the group's exact sum of x.
 // - int8_block_linear: int8 weights with one scale per output channel, applied at the end.
 // int8 codes (llama.cpp's Q4 x Q8 and Q8 x Q8) tripled SmolLM2's teacher-forced logprob error against the float
 // engine's and flipped the demo's answer; int16 ones are within torch's weight-only kernel's.
-// Each channel's groups are loaded once for kBlockRows rows (for_tiles).
+// Each tile of channels' weights is loaded once for several rows (for_tiles).
 constexpr int64_t kBlock = 32;
-constexpr int64_t kBlockRows = 4;
+constexpr int64_t kInterleave = 8;      // int4_block_linear: channels per block of pack_int4_interleaved
+constexpr int64_t kInt4BlockRows = 6;   // rows per pass over a block (client/bench_quant.py: 6 beat 4 and 8)
+constexpr int64_t kTileChannels = 16;   // int8_block_linear: channels per tile
+constexpr int64_t kInt8BlockRows = 4;   // rows per pass over a tile
 
 struct Blocks {
   at::Tensor codes;           // [T, K] int16
@@ -855,48 +859,50 @@ inline __m256i widened(const int8_t* w) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
-// half h (16 bytes) of a chunk of pack_int4_chunks codes as int16: its low nibbles, codes 16 h .. 16 h + 15 of the
-// chunk, and its high ones, codes 32 + 16 h .. 32 + 16 h + 15
-inline void int4_half(const uint8_t* chunk, int64_t h, __m256i& low, __m256i& high) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + 16 * h)));
-  low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
+// two int16 codes, x[0] and x[1], in each 32-bit lane
+inline __m256i pair_in_every_lane(const int16_t* x) {
+  int32_t pair;
+  std::memcpy(&pair, x, sizeof pair);
+  return _mm256_set1_epi32(pair);
 }
 
-// out[r * n + c] = sum over groups of scale[c, g] * d[r, g] * (q . codes) + offset[c, g] * sums[r, g], for R rows of
-// int16 block codes (with their d and sums) and the channels c in [first, last); a chunk's two groups at a time
+// out[r * n + 8 b + c] for the 8 channels c of channel block b and R rows of int16 block codes (with their d and
+// sums): over groups g, scale[b, g, c] * d[r, g] * (q . codes) + offset[b, g, c] * sums[r, g]. In
+// pack_int4_interleaved's layout each 16 bytes hold two input pairs of all 8 channels (one madd's worth), so that
+// each product lands in its own channel's lane: no horizontal sums, and one conversion and scaling per group for 8
+// channels. Channels past n (the last block's padding) are not written.
 template <int64_t R>
-void int4_rows(float* out, int64_t n, const int16_t* codes, const float* d, const float* sums, const uint8_t* packed,
-               const float* scale, const float* offset, int64_t k, int64_t first, int64_t last) {
+void int4_block_rows(float* out, int64_t n, const int16_t* codes, const float* d, const float* sums,
+                     const uint8_t* packed, const float* scale, const float* offset, int64_t k, int64_t b) {
   const int64_t groups = k / kBlock;
-  for (int64_t c = first; c < last; ++c) {
-    const uint8_t* w = packed + c * (k / 2);
-    const float *sc = scale + c * groups, *of = offset + c * groups;
-    __m256 acc[R][2];
-    for (int64_t r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 2) {
-      __m256i q[4];  // the chunk's codes 0-15, 32-47, 16-31, 48-63
-      int4_half(w + g * kBlock / 2, 0, q[0], q[1]);
-      int4_half(w + g * kBlock / 2, 1, q[2], q[3]);
+  const uint8_t* w = packed + b * groups * kBlock * kInterleave / 2;
+  const float *sc = scale + b * groups * kInterleave, *of = offset + b * groups * kInterleave;
+  __m256 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g, w += kBlock * kInterleave / 2) {
+    __m256i exact[R];
+    for (int64_t r = 0; r < R; ++r) exact[r] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < kBlock / 4; ++j) {  // the pairs 2j, 2j + 1 (low nibbles) and 16 + 2j, 17 + 2j (high)
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * j)));
+      const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
       for (int64_t r = 0; r < R; ++r) {
-        const int16_t* x = codes + r * k + g * kBlock;
-        const __m256i first_group = _mm256_add_epi32(_mm256_madd_epi16(q[0], load_codes(x)),
-                                                     _mm256_madd_epi16(q[2], load_codes(x + 16)));
-        const __m256i second_group = _mm256_add_epi32(_mm256_madd_epi16(q[1], load_codes(x + 32)),
-                                                      _mm256_madd_epi16(q[3], load_codes(x + 48)));
-        const float* dr = d + r * groups + g;
-        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first_group), _mm256_set1_ps(sc[g] * dr[0]), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second_group), _mm256_set1_ps(sc[g + 1] * dr[1]), acc[r][1]);
+        const int16_t* x = codes + r * k + g * kBlock + 2 * j;
+        exact[r] = _mm256_add_epi32(exact[r], _mm256_add_epi32(_mm256_madd_epi16(low, pair_in_every_lane(x)),
+                                                               _mm256_madd_epi16(high, pair_in_every_lane(x + 16))));
       }
     }
+    const __m256 group_scale = _mm256_loadu_ps(sc + g * kInterleave), group_offset = _mm256_loadu_ps(of + g * kInterleave);
     for (int64_t r = 0; r < R; ++r) {
-      __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
-      const float* sr = sums + r * groups;
-      int64_t g = 0;
-      for (; g + 8 <= groups; g += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(of + g), _mm256_loadu_ps(sr + g), sum);
-      float tail = 0.f;
-      for (; g < groups; ++g) tail += of[g] * sr[g];
-      out[r * n + c] = hsum(sum) + tail;
+      const __m256 both_scales = _mm256_mul_ps(group_scale, _mm256_set1_ps(d[r * groups + g]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[r]), both_scales, acc[r]);
+      acc[r] = _mm256_fmadd_ps(group_offset, _mm256_set1_ps(sums[r * groups + g]), acc[r]);
     }
+  }
+  const int64_t first = b * kInterleave, count = std::min(kInterleave, n - first);
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(32) float lanes[kInterleave];
+    _mm256_store_ps(lanes, acc[r]);
+    std::copy(lanes, lanes + count, out + r * n + first);
   }
 }
 
@@ -923,42 +929,40 @@ void int8_rows(float* out, int64_t n, const int16_t* codes, const float* d, cons
   }
 }
 
-// rows(R, first row, first channel, last channel) over every row and channel: tiles of kTileChannels channels
-// across threads, each tile's rows kBlockRows at a time (a tile's weights stay in L1 across them)
-constexpr int64_t kTileChannels = 16;
+// run(R, first row, first tile) over every row and tile of channels: tiles across threads, each tile's rows
+// MaxRows at a time (a tile's weights stay in L1 across them)
+template <int64_t MaxRows, int64_t R = MaxRows, typename Run>
+void run_rows(int64_t count, int64_t r, int64_t t, const Run& run) {
+  if constexpr (R > 1) {
+    if (count < R) return run_rows<MaxRows, R - 1>(count, r, t, run);
+  }
+  run(std::integral_constant<int64_t, R>{}, r, t);
+}
 
-template <typename Rows>
-void for_tiles(int64_t rows, int64_t n, int64_t k, const Rows& run) {
-  const int64_t tiles = (n + kTileChannels - 1) / kTileChannels;
-  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / (kTileChannels * rows * k));
+template <int64_t MaxRows, typename Run>
+void for_tiles(int64_t rows, int64_t tiles, int64_t tile_work, const Run& run) {
+  const int64_t grain = std::max<int64_t>(1, at::internal::GRAIN_SIZE / (tile_work * rows));
   at::parallel_for(0, tiles, grain, [&](int64_t first_tile, int64_t last_tile) {
-    for (int64_t t = first_tile; t < last_tile; ++t) {
-      const int64_t first = t * kTileChannels, last = std::min(n, first + kTileChannels);
-      for (int64_t r = 0; r < rows; r += kBlockRows) {
-        switch (std::min(kBlockRows, rows - r)) {
-          case 1: run(std::integral_constant<int64_t, 1>{}, r, first, last); break;
-          case 2: run(std::integral_constant<int64_t, 2>{}, r, first, last); break;
-          case 3: run(std::integral_constant<int64_t, 3>{}, r, first, last); break;
-          default: run(std::integral_constant<int64_t, 4>{}, r, first, last);
-        }
-      }
-    }
+    for (int64_t t = first_tile; t < last_tile; ++t)
+      for (int64_t r = 0; r < rows; r += MaxRows) run_rows<MaxRows>(std::min(MaxRows, rows - r), r, t, run);
   });
 }
 
-// reference.int4_block_linear_ref: x [T, K] in int16 blocks @ the 4-bit weight packed [N, K / 2]
-// (pack_int4_chunks), float32 scale and offset [N, K / 32], in x's dtype. K: a multiple of 64.
+// reference.int4_block_linear_ref: x [T, K] in int16 blocks @ the 4-bit weight of out_features channels in
+// pack_int4_interleaved's layout (packed [B, K * 4] uint8; scale and offset [B, K / 4] float32, by
+// interleave_groups; B = ceil(out_features / 8)), in x's dtype. K: a multiple of 32.
 at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
-                             const at::Tensor& offset_in) {
-  TORCH_CHECK(x_in.dim() == 2 && packed_in.dim() == 2 && packed_in.scalar_type() == at::kByte &&
-              x_in.size(1) % (2 * kBlock) == 0 && packed_in.size(1) * 2 == x_in.size(1) &&
+                             const at::Tensor& offset_in, int64_t out_features) {
+  const int64_t blocks = (out_features + kInterleave - 1) / kInterleave;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kBlock == 0 && out_features > 0 &&
+              packed_in.scalar_type() == at::kByte && packed_in.sizes() == at::IntArrayRef({blocks, x_in.size(1) * 4}) &&
               scale_in.scalar_type() == at::kFloat && offset_in.scalar_type() == at::kFloat &&
-              scale_in.sizes() == offset_in.sizes() && scale_in.dim() == 2 &&
-              scale_in.size(0) == packed_in.size(0) && scale_in.size(1) * kBlock == x_in.size(1),
-              "x: [T, K], K a multiple of 64; packed: [N, K / 2] uint8; scale, offset: [N, K / 32] float32");
+              scale_in.sizes() == offset_in.sizes() && scale_in.sizes() == at::IntArrayRef({blocks, x_in.size(1) / 4}),
+              "x: [T, K], K a multiple of 32; packed: [ceil(out_features / 8), K * 4] uint8; scale, offset: "
+              "[ceil(out_features / 8), K / 4] float32");
   const auto x = x_in.contiguous(), packed = packed_in.contiguous();
   const auto scale = scale_in.contiguous(), offset = offset_in.contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0), groups = k / kBlock;
+  const int64_t rows = x.size(0), k = x.size(1), n = out_features, groups = k / kBlock;
   const Blocks b = quantize_blocks(x);
   auto out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
@@ -966,9 +970,9 @@ at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in
   const float *d = b.scales.data_ptr<float>(), *sums = b.sums.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float *sc = scale.data_ptr<float>(), *of = offset.data_ptr<float>();
-  for_tiles(rows, n, k, [&](auto R, int64_t r, int64_t first, int64_t last) {
-    int4_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of, k, first,
-                                  last);
+  for_tiles<kInt4BlockRows>(rows, blocks, kInterleave * k, [&](auto R, int64_t r, int64_t block) {
+    int4_block_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of,
+                                        k, block);
   });
   return out.to(x_in.scalar_type());
 }
@@ -990,7 +994,9 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
   const int8_t* w = qweight.data_ptr<int8_t>();
   const float* d = b.scales.data_ptr<float>();
   const auto run = [&](const auto* channel_scales) {
-    for_tiles(rows, n, k, [&](auto R, int64_t r, int64_t first, int64_t last) {
+    const int64_t tiles = (n + kTileChannels - 1) / kTileChannels;
+    for_tiles<kInt8BlockRows>(rows, tiles, kTileChannels * k, [&](auto R, int64_t r, int64_t tile) {
+      const int64_t first = tile * kTileChannels, last = std::min(n, first + kTileChannels);
       int8_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, w, channel_scales, k, first, last);
     });
   };
@@ -1016,7 +1022,8 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
 #ifdef NANOSERVE_BLOCK_LINEAR
-  m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor", &int4_block_linear);
+  m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int out_features) -> Tensor",
+        &int4_block_linear);
   m.def("int8_block_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_block_linear);
 #endif
 #ifdef NANOSERVE_INT4_LINEAR

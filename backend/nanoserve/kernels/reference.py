@@ -273,6 +273,53 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (sums.float() * row_scale[:, None] * scales.float()).to(x.dtype)
 
 
+INTERLEAVE = 8  # pack_int4_interleaved's channels per block: cpu_ops.cpp's kInterleave
+
+
+def _padded_blocks(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows up to a multiple of INTERLEAVE, as [N / 8, 8, ...]."""
+    pad = -t.shape[0] % INTERLEAVE
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    return t.reshape(-1, INTERLEAVE, *t.shape[1:])
+
+
+def pack_int4_interleaved(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] (uint8 in [0, 15], K a multiple of 32) -> [ceil(N / 8), K * 4] uint8 (cpu_ops.cpp's
+    int4_block_linear): per block of 8 channels (the last padded with zero codes), group by group of 32 inputs, 8
+    runs of 16 bytes; byte 2 c + p of run j holds channel c's code 2 j + p in its low nibble and 16 + 2 j + p in its
+    high one, so that one run is the int16 pairs of all 8 channels for two pairs of inputs."""
+    blocks = _padded_blocks(codes).reshape(-1, INTERLEAVE, codes.shape[1] // 32, 2, 8, 2)  # [B, c, g, half, j, p]
+    halves = blocks.permute(0, 2, 3, 4, 1, 5)  # [B, g, half, j, c, p]
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(blocks.shape[0], -1)
+
+
+def unpack_int4_interleaved(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """pack_int4_interleaved's inverse: -> codes [out_features, K] uint8."""
+    runs = packed.reshape(packed.shape[0], -1, 8, INTERLEAVE, 2)  # [B, g, j, c, p]
+    halves = torch.stack([runs & 0xF, runs >> 4], dim=2)  # [B, g, half, j, c, p]
+    codes = halves.permute(0, 4, 1, 2, 3, 5).reshape(packed.shape[0] * INTERLEAVE, -1)
+    return codes[:out_features]
+
+
+def interleave_groups(t: torch.Tensor) -> torch.Tensor:
+    """A group tensor (scale or offset) [N, G] -> [ceil(N / 8), G * 8] in pack_int4_interleaved's blocks: the 8
+    channels' values for each group together (zeros for the padding)."""
+    return _padded_blocks(t).transpose(1, 2).reshape(-1, t.shape[1] * INTERLEAVE).contiguous()
+
+
+def deinterleave_groups(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """interleave_groups' inverse: -> [out_features, G]."""
+    return t.reshape(t.shape[0], -1, INTERLEAVE).transpose(1, 2).reshape(-1, t.shape[1] // INTERLEAVE)[:out_features]
+
+
+def dequantize_int4_interleaved(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                                out_features: int) -> torch.Tensor:
+    """The float32 weight [out_features, K] of pack_int4_interleaved codes and interleave_groups scales and offsets."""
+    codes = unpack_int4_interleaved(packed, out_features).float()
+    scale, offset = (deinterleave_groups(t, out_features).float().repeat_interleave(32, 1) for t in (scale, offset))
+    return codes * scale + offset
+
+
 BLOCK = 32  # activations per block (as llama.cpp's Q8_0 blocks): cpu_ops.cpp's kBlock
 BLOCK_TOP = TOP_CODE[2]  # blocks hold int16 codes: int8 ones lose too much on real models (cpu_ops.cpp)
 
@@ -294,13 +341,14 @@ def _block_products(x: torch.Tensor, weight_codes: torch.Tensor):
     return torch.einsum("tgi,ngi->tng", codes.double(), w), d.double(), sums
 
 
-def int4_block_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                          offset: torch.Tensor) -> torch.Tensor:
-    """cpu_ops.cpp's int4_block_linear: x [T, K] in blocks @ the 4-bit weight^T (pack_int4_chunks codes,
-    w = q * scale + offset per group): per group the integer sum of codes x q times the group's two scales, plus
-    its offset times the group's exact sum of x; in float64, then x's dtype."""
-    per_group, d, sums = _block_products(x, unpack_int4_chunks(packed))
-    y = (per_group * scale.double()[None] * d[:, None]).sum(-1) + sums @ offset.double().T
+def int4_block_linear_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                          out_features: int) -> torch.Tensor:
+    """cpu_ops.cpp's int4_block_linear: x [T, K] in blocks @ the 4-bit weight^T (pack_int4_interleaved codes,
+    interleave_groups scales and offsets, w = q * scale + offset per group): per group the integer sum of codes x q
+    times the group's two scales, plus its offset times the group's exact sum of x; in float64, then x's dtype."""
+    per_group, d, sums = _block_products(x, unpack_int4_interleaved(packed, out_features))
+    scale, offset = (deinterleave_groups(t, out_features).double() for t in (scale, offset))
+    y = (per_group * scale[None] * d[:, None]).sum(-1) + sums @ offset.T
     return y.to(x.dtype)
 
 

@@ -13,12 +13,13 @@ packed float32 and bfloat16; docs/benchmarks.md):
   group), AVX2's int16 products summed exactly per group. Last, weight-only: `aten._weight_int8pack_mm`, which
   needs in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
-  Where the CPU has AMX and VNNI (`runs_int4_kernel`), cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4
-  rows VNNI dot products of the codes with int16 activation codes, for more AMX tile products of the weight
-  dequantized to bfloat16 once per 64 rows. Without them, where the kernels are built for AVX2, cpu_ops.cpp's
-  int4_block_linear on the same layout: the codes times activations in int16 blocks of BLOCK inputs (llama.cpp's Q4
-  x Q8 dot products with int16 codes: int8 ones tripled SmolLM2's logprob error), each group's integer sum scaled by
-  both groups' scales, the offsets' part from each group's exact sum of x.
+  Where the CPU has AMX and VNNI, cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4 rows VNNI dot
+  products of the codes with int16 activation codes, for more AMX tile products of the weight dequantized to
+  bfloat16 once per 64 rows. Without them, where the kernels are built for AVX2, cpu_ops.cpp's int4_block_linear
+  (InterleavedInt4Weight: 8 output channels interleaved, so that AVX2's int16 pair products land in one lane per
+  channel): the codes times activations in int16 blocks of BLOCK inputs (llama.cpp's Q4 x Q8 dot products with
+  int16 codes: int8 ones tripled SmolLM2's logprob error), each group's integer sum scaled by both groups' scales,
+  the offsets' part from each group's exact sum of x.
   Elsewhere `aten._weight_int4pack_mm_for_cpu` (Int4Weight), whose layout holds (scale, offset + 8 * scale): it
   computes (q - 8) * s + z, and reads and dequantizes the weight again for each row of the activations (it falls
   behind float32 from ~16 rows). An int8 copy for many rows (requantized per output channel) is not kept: it costs
@@ -47,7 +48,8 @@ from torch import nn
 
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
 from nanoserve.kernels.reference import (INT4_CHUNK, BLOCK, dequantize_int4_chunks, dequantize_int4_groups,
-                                        int4_group_matmul_ref, int8_matmul_ref, pack_int4, pack_int4_chunks)
+                                        dequantize_int4_interleaved, int4_group_matmul_ref, int8_matmul_ref,
+                                        interleave_groups, pack_int4, pack_int4_chunks, pack_int4_interleaved)
 from nanoserve.layers.activation import cuda_op
 
 QUANTIZATIONS = ("int8", "int4")
@@ -212,26 +214,15 @@ def int4_kernel_works() -> bool:
         return False
 
 
-def chunked_int4_kernel() -> str | None:
-    """The cpu_ops kernel a ChunkedInt4Weight computes with here: int4_linear (AMX and VNNI), else int4_block_linear
-    (AVX2), else None (torch's kernel: Int4Weight)."""
-    if int4_kernel_works():
-        return "int4_linear"
-    return "int4_block_linear" if cpu_op("int4_block_linear") is not None else None
-
-
-def runs_int4_kernel(rows: int, cols: int) -> bool:
-    """Whether a 4-bit weight [rows, cols] on the CPU computes with one of nanoserve's int4 kernels
-    (ChunkedInt4Weight): int4_linear's AMX tiles need 16 | rows, both kernels whole chunks of inputs."""
-    kernel = chunked_int4_kernel()
-    return cols % INT4_CHUNK == 0 and kernel is not None and (kernel != "int4_linear" or rows % INT4_ROWS_MULTIPLE == 0)
-
-
-def cpu_int4_weight(groups: GroupQuantized) -> ChunkedInt4Weight | Int4Weight:
-    """A 4-bit weight for the CPU: nanoserve's kernels' layout where one runs, else torch's (ValueError for a shape
-    or codes neither can hold)."""
-    if runs_int4_kernel(*groups.codes.shape) and groups.group == GROUP_SIZE:
-        return ChunkedInt4Weight.from_groups(groups)
+def cpu_int4_weight(groups: GroupQuantized) -> ChunkedInt4Weight | InterleavedInt4Weight | Int4Weight:
+    """A 4-bit weight for the CPU in the layout of the kernel that runs here: int4_linear (AMX and VNNI; 16 | rows),
+    else int4_block_linear (AVX2), else torch's (ValueError for a shape or codes none can hold)."""
+    rows, cols = groups.codes.shape
+    if groups.group == GROUP_SIZE:
+        if int4_kernel_works() and cols % INT4_CHUNK == 0 and rows % INT4_ROWS_MULTIPLE == 0:
+            return ChunkedInt4Weight.from_groups(groups)
+        if cpu_op("int4_block_linear") is not None:
+            return InterleavedInt4Weight.from_groups(groups)
     return Int4Weight.from_groups(groups)
 
 
@@ -260,20 +251,38 @@ class GroupPackedInt4:
 
 
 class ChunkedInt4Weight(GroupPackedInt4):
-    """For cpu_ops.cpp's int4_linear or int4_block_linear (chunked_int4_kernel): codes in chunks of 64
-    (reference.pack_int4_chunks)."""
+    """For cpu_ops.cpp's int4_linear (AMX and VNNI): codes in chunks of 64 (reference.pack_int4_chunks)."""
     pack = staticmethod(pack_int4_chunks)
 
-    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-        super().__init__(packed, scale, offset)
-        self.kernel = chunked_int4_kernel()
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = cpu_op(self.kernel)(x, self.packed, self.scale, self.offset)
+        y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
         return y if bias is None else y + bias
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_chunks(self.packed, self.scale, self.offset)
+
+
+class InterleavedInt4Weight(GroupPackedInt4):
+    """For cpu_ops.cpp's int4_block_linear (AVX2): codes in blocks of 8 channels (reference.pack_int4_interleaved),
+    the groups' scales and offsets interleaved alike (interleave_groups)."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int):
+        super().__init__(packed, scale, offset)
+        self.out_features = out_features
+
+    @classmethod
+    def from_groups(cls, groups: GroupQuantized) -> InterleavedInt4Weight:
+        """ValueError where codes are not uint8 in [0, 15]."""
+        check_int4_codes(groups)
+        return cls(pack_int4_interleaved(groups.codes), interleave_groups(groups.scale.float()),
+                   interleave_groups(groups.offset.float()), groups.codes.shape[0])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = cpu_op("int4_block_linear")(x, self.packed, self.scale, self.offset, self.out_features)
+        return y if bias is None else y + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4_interleaved(self.packed, self.scale, self.offset, self.out_features)
 
 
 class PackedInt4Weight(GroupPackedInt4):

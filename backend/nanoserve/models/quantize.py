@@ -9,9 +9,9 @@ The token embedding and the LM head are int8 (per row) whenever they are quantiz
 embedding's table. Norms and biases stay float, and so does a CPU layer whose in_features torch's int8 kernel
 cannot take (not a multiple of INT8_INPUTS_MULTIPLE), with the reason in the summary. Runs after load_weights and
 before pack_cpu_weights.
-On the CPU the 4-bit format is ChunkedInt4Weight (nanoserve's kernels: AMX and VNNI, or AVX2) or Int4Weight
-(torch's kernel), on CUDA PackedInt4Weight (the Triton kernel); both of nanoserve's keep a GGUF file's scales and
-offsets in float32 as they are. int8 is Int8Weight on both devices, on the model's device.
+On the CPU the 4-bit format is ChunkedInt4Weight (nanoserve's kernel for AMX and VNNI), InterleavedInt4Weight
+(its AVX2 kernel) or Int4Weight (torch's kernel), on CUDA PackedInt4Weight (the Triton kernel); nanoserve's keep a
+GGUF file's scales and offsets in float32 as they are. int8 is Int8Weight on both devices, on the model's device.
 """
 from __future__ import annotations
 
