@@ -54,6 +54,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim // 2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, heads, head_dim], k [T, kv_heads, head_dim] -> rotated (q, k)."""
-        return pick("rotary", rotary_ref, q)(q, k, self.cos[positions], self.sin[positions])
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, head_dim // 2] of positions [T]: looked up once per forward, for every layer."""
+        return self.cos[positions], self.sin[positions]
+
+    def forward(self, angles: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """q [T, heads, head_dim], k [T, kv_heads, head_dim], angles from `angles` -> rotated (q, k)."""
+        return pick("rotary", rotary_ref, q)(q, k, *angles)

@@ -39,13 +39,14 @@ class LlamaAttention(nn.Module):
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn_metadata, lora=None) -> torch.Tensor:
+    def forward(self, angles, x: torch.Tensor, attn_metadata, lora=None) -> torch.Tensor:
+        """angles: the rotary embedding's (cos, sin) of the tokens' positions."""
         q, k, v = self.qkv_proj(x, lora).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         tokens = x.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, *self.qk_norm(q, k))
+        q, k = self.rotary_emb(angles, *self.qk_norm(q, k))
         return self.o_proj(self.attn(q, k, v, attn_metadata), lora)
 
 
@@ -73,12 +74,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, attn_metadata, lora=None):
+    def forward(self, angles, x, residual, attn_metadata, lora=None):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn_metadata, lora)
+        x = self.self_attn(angles, x, attn_metadata, lora)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, lora), residual
 
@@ -87,15 +88,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config, attention_backend: AttentionBackend, attention_cls: type[LlamaAttention]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
+        self.rotary_emb = rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                                       rope_parameters(config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, attention_backend, attention_cls, rotary_emb)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, attn_metadata, lora=None):
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual, angles = self.embed_tokens(input_ids), None, self.rotary_emb.angles(positions)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn_metadata, lora)
+            x, residual = layer(angles, x, residual, attn_metadata, lora)
         return self.norm(x, residual)[0]
 
 
