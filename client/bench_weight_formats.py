@@ -1,12 +1,13 @@
 """SmolLM2-135M-Instruct from its GGUF file, float32 vs bfloat16 vs int8 vs int4 weights, side by side (not a test).
 
-    python client/bench_weight_formats.py [--concurrency 1 16 64] [--rounds 2] [--served]
+    python client/bench_weight_formats.py [--concurrency 1 16 64] [--rounds 2] [--served [--llama-server PATH]]
 
 Each format is one engine: float32 and bfloat16 with `quantization="none"` (the file's weights dequantized),
 int8 and int4 (`quantization="int8"`; `"auto"`, which runs the file's Q4_1 codes as int4). Offline, all four
 engines live in this process; with --served each is a `nanoserve serve FILE.gguf` and requests stream through
-its OpenAI `/v1/completions`. Every round runs each format at each concurrency (that many requests at once, random
-prompts of --prompt-len tokens, --max-tokens each with ignore_eos), the formats alternating and their order
+its OpenAI `/v1/completions`, and with --llama-server llama.cpp's `llama-server` on the same file runs beside
+them as one more format. Every round runs each format at each concurrency (that many requests at once, random
+prompts of --prompt-len words, --max-tokens each with ignore_eos), the formats alternating and their order
 reversed every other round. Prints per run: output tok/s, inter-token latency p50, and at the end the medians as
 ratios to float32, with each format's weights' memory (the bytes of the model's weight tensors as the engine holds
 them: parameters, oneDNN-packed and quantized weights, each counted once).
@@ -19,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -81,16 +85,13 @@ class Offline:
         self.llm.shutdown()
 
 
-class Served:
-    def __init__(self, gguf_path: str, engine_args: dict, log_dir: Path):
-        import openai
-        from triton_server import nanoserve_serve
+class OpenAIServer:
+    """Streams completions from an OpenAI-compatible server at `url` serving model "bench"."""
 
-        flags = [f"--{name}={value}" for name, value in engine_args.items()]
-        self.context = nanoserve_serve(gguf_path, log_dir, "--served-model-name", "bench", "--max-model-len", "512",
-                                       *flags)
-        served = self.context.__enter__()
-        self.client = openai.OpenAI(base_url=served.openai_url, api_key="unused", max_retries=0, timeout=600)
+    def connect(self, url: str) -> None:
+        import openai
+
+        self.client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         self.weight_bytes = None
 
     def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
@@ -120,8 +121,58 @@ class Served:
         # chunks carry text: a token that decodes to no text yet arrives with the next, so count tokens as asked
         return max_tokens * len(prompts), time.perf_counter() - start, gaps
 
+
+class Served(OpenAIServer):
+    """`nanoserve serve FILE.gguf` with engine_args as flags."""
+
+    def __init__(self, gguf_path: str, engine_args: dict, log_dir: Path):
+        from triton_server import nanoserve_serve
+
+        flags = [f"--{name}={value}" for name, value in engine_args.items()]
+        self.context = nanoserve_serve(gguf_path, log_dir, "--served-model-name", "bench", "--max-model-len", "512",
+                                       *flags)
+        self.connect(self.context.__enter__().openai_url)
+
     def close(self):
         self.context.__exit__(None, None, None)
+
+
+class LlamaServer(OpenAIServer):
+    """llama.cpp's `llama-server` on the same file: one slot per concurrent request (-np), each of 512 tokens as
+    nanoserve's --max-model-len, `threads` threads."""
+
+    def __init__(self, binary: str, gguf_path: str, slots: int, threads: int, log_dir: Path):
+        from nanoserve.serving.serve.launcher import free_ports
+
+        (port,) = free_ports(1)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_dir / "llama-server.log", "w")
+        self.process = subprocess.Popen([binary, "-m", gguf_path, "--host", "127.0.0.1", "--port", str(port),
+                                         "-np", str(slots), "-c", str(512 * slots), "-t", str(threads),
+                                         "--alias", "bench"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while not self._healthy(port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"llama-server did not start: see {log_dir / 'llama-server.log'}")
+            time.sleep(0.5)
+        self.connect(f"http://127.0.0.1:{port}/v1")
+
+    @staticmethod
+    def _healthy(port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def close(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
 
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven red birds sing about rivers mountains cities "
@@ -143,7 +194,11 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     p.add_argument("--served", action="store_true", help="through `nanoserve serve`'s OpenAI API")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the offline engines")
+    p.add_argument("--llama-server", metavar="PATH", help="with --served: also llama.cpp's llama-server binary on "
+                   "the same file, as the format 'llama.cpp' (threads: the CPU count)")
     args = p.parse_args(argv)
+    if args.llama_server and not args.served:
+        p.error("--llama-server needs --served")
     torch.set_num_threads(args.threads)
     from nanoserve.demo_model import smollm2_gguf
 
@@ -155,6 +210,9 @@ def main(argv=None):
                 engines[name] = (Served(path, FORMATS[name], Path(tmp, name)) if args.served
                                  else Offline(path, FORMATS[name]))
                 Path(tmp, name).mkdir(exist_ok=True)
+            if args.llama_server:
+                engines["llama.cpp"] = LlamaServer(args.llama_server, path, max(args.concurrency), os.cpu_count(),
+                                                   Path(tmp, "llama.cpp"))
             results = bench(engines, args)
         finally:
             for engine in engines.values():
