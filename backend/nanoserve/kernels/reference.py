@@ -178,11 +178,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
-def dequantize_int4_groups(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [N, K]: codes * scale + offset of each code's group (scale, offset [N, K / group])."""
-    codes = unpack_int4(packed)
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of codes [N, K]: codes * scale + offset of each code's group (scale, offset
+    [N, K / group])."""
     group = codes.shape[1] // scale.shape[1]
     return codes.float() * scale.float().repeat_interleave(group, 1) + offset.float().repeat_interleave(group, 1)
+
+
+def dequantize_int4_groups(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] of pack_int4 codes (dequantize_codes)."""
+    return dequantize_codes(unpack_int4(packed), scale, offset)
 
 
 INT4_CHUNK = 64  # pack_int4_chunks' chunk: two groups of 32 codes
@@ -227,10 +232,8 @@ def int4_linear_int16_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
 
 
 def dequantize_int4_chunks(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The float32 weight [N, K] of pack_int4_chunks codes: codes * scale + offset of each code's group."""
-    codes = unpack_int4_chunks(packed)
-    group = codes.shape[1] // scale.shape[1]
-    return codes.float() * scale.float().repeat_interleave(group, 1) + offset.float().repeat_interleave(group, 1)
+    """The float32 weight [N, K] of pack_int4_chunks codes (dequantize_codes)."""
+    return dequantize_codes(unpack_int4_chunks(packed), scale, offset)
 
 
 def int8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -273,6 +276,8 @@ def w8a8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return (sums.float() * row_scale[:, None] * scales.float()).to(x.dtype)
 
 
+BLOCK = 32  # activations per block (as llama.cpp's Q8_0 blocks): cpu_ops.cpp's kBlock
+BLOCK_TOP = TOP_CODE[2]  # blocks hold int16 codes: int8 ones lose too much on real models (cpu_ops.cpp)
 INTERLEAVE = 8  # pack_int4_interleaved's channels per block: cpu_ops.cpp's kInterleave
 
 
@@ -288,7 +293,7 @@ def pack_int4_interleaved(codes: torch.Tensor) -> torch.Tensor:
     int4_block_linear): per block of 8 channels (the last padded with zero codes), group by group of 32 inputs, 8
     runs of 16 bytes; byte 2 c + p of run j holds channel c's code 2 j + p in its low nibble and 16 + 2 j + p in its
     high one, so that one run is the int16 pairs of all 8 channels for two pairs of inputs."""
-    blocks = _padded_blocks(codes).reshape(-1, INTERLEAVE, codes.shape[1] // 32, 2, 8, 2)  # [B, c, g, half, j, p]
+    blocks = _padded_blocks(codes).reshape(-1, INTERLEAVE, codes.shape[1] // BLOCK, 2, 8, 2)  # [B, c, g, half, j, p]
     halves = blocks.permute(0, 2, 3, 4, 1, 5)  # [B, g, half, j, c, p]
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(blocks.shape[0], -1)
 
@@ -314,14 +319,10 @@ def deinterleave_groups(t: torch.Tensor, out_features: int) -> torch.Tensor:
 
 def dequantize_int4_interleaved(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
                                 out_features: int) -> torch.Tensor:
-    """The float32 weight [out_features, K] of pack_int4_interleaved codes and interleave_groups scales and offsets."""
-    codes = unpack_int4_interleaved(packed, out_features).float()
-    scale, offset = (deinterleave_groups(t, out_features).float().repeat_interleave(32, 1) for t in (scale, offset))
-    return codes * scale + offset
-
-
-BLOCK = 32  # activations per block (as llama.cpp's Q8_0 blocks): cpu_ops.cpp's kBlock
-BLOCK_TOP = TOP_CODE[2]  # blocks hold int16 codes: int8 ones lose too much on real models (cpu_ops.cpp)
+    """The float32 weight [out_features, K] of pack_int4_interleaved codes and interleave_groups scales and offsets
+    (dequantize_codes)."""
+    return dequantize_codes(unpack_int4_interleaved(packed, out_features), deinterleave_groups(scale, out_features),
+                            deinterleave_groups(offset, out_features))
 
 
 def quantize_blocks_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

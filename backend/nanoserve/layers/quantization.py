@@ -47,9 +47,10 @@ import torch
 from torch import nn
 
 from nanoserve.kernels.cpu_ops import cpu_op, int8_dot_products
-from nanoserve.kernels.reference import (INT4_CHUNK, BLOCK, dequantize_int4_chunks, dequantize_int4_groups,
-                                        dequantize_int4_interleaved, int4_group_matmul_ref, int8_matmul_ref,
-                                        interleave_groups, pack_int4, pack_int4_chunks, pack_int4_interleaved)
+from nanoserve.kernels.reference import (INT4_CHUNK, BLOCK, dequantize_codes, dequantize_int4_chunks,
+                                        dequantize_int4_groups, dequantize_int4_interleaved, int4_group_matmul_ref,
+                                        int8_matmul_ref, interleave_groups, pack_int4, pack_int4_chunks,
+                                        pack_int4_interleaved)
 from nanoserve.layers.activation import cuda_op
 
 QUANTIZATIONS = ("int8", "int4")
@@ -81,9 +82,7 @@ class GroupQuantized:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [N, K]."""
-        scale = self.scale.repeat_interleave(self.group, dim=1)
-        offset = self.offset.repeat_interleave(self.group, dim=1)
-        return self.codes.float() * scale + offset
+        return dequantize_codes(self.codes, self.scale, self.offset)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bits: int = 4, group: int = GROUP_SIZE) -> GroupQuantized:
