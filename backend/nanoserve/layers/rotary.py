@@ -59,5 +59,5 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]
 
     def forward(self, angles: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """q [T, heads, head_dim], k [T, kv_heads, head_dim], angles from `angles` -> rotated (q, k)."""
+        """q [T, heads, head_dim], k [T, kv_heads, head_dim], (cos, sin) from `angles` -> rotated (q, k)."""
         return pick("rotary", rotary_ref, q)(q, k, *angles)
