@@ -21,6 +21,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.cuda_graph import CUDAGraphRunner
 from nanoserve.engine.input_batch import InputBatch, StepInputs
 from nanoserve.layers.attention import Attention, AttentionBackend, AttentionBatch
+from nanoserve.layers.decode_layer import fuse_decode_layers
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.models import get_model_class, load_weights
 from nanoserve.models.loader import default_dtype
@@ -41,6 +42,7 @@ class DraftModel:
         chosen = quantize_weights(self.model, quantization, config.torch_dtype)
         print(f"nanoserve: draft model weights (quantization={quantization}): {chosen}", file=sys.stderr, flush=True)
         pack_cpu_weights(self.model)
+        fuse_decode_layers(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None
         self.graphs: CUDAGraphRunner | None = None

@@ -23,6 +23,7 @@ from nanoserve.engine.simulated_device import SimulatedDevice, SimulatedStep
 from nanoserve.engine.structured_output import TokenBitmask
 from nanoserve.kernels.cpu_ops import library as cpu_kernels
 from nanoserve.layers.attention import Attention, AttentionBatch, make_backend
+from nanoserve.layers.decode_layer import fuse_decode_layers
 from nanoserve.layers.linear import pack_cpu_weights
 from nanoserve.layers.lora import LoRABatch
 from nanoserve.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, token_logprobs
@@ -99,6 +100,7 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self._quantize_weights()
         pack_cpu_weights(self.model)
+        fuse_decode_layers(self.model)
         if self.device.type == "cpu":
             cpu_kernels()  # built or loaded now, while the model loads, rather than in the first request's step
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1009,6 +1011,66 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
 #define NANOSERVE_BLOCK_LINEAR 1
 #endif
 
+// One decoder layer of a step in which every row decodes (one query token, a valid slot): what
+// models/llama.py's LlamaDecoderLayer computes with the kernels above, in one call instead of a dozen ops and the
+// Python between them (layers/decode_layer.py). Its four linear layers (qkv, o, gate_up, down) are quantized, each
+// named by a LinearKernel, its three tensors and an int (out_features, digits, or unused).
+enum LinearKernel : int64_t { kInt4BlockLinear = 0, kInt8BlockLinear = 1, kInt4Linear = 2, kW8a8Linear = 3 };
+
+at::Tensor quantized_linear(const at::Tensor& x, int64_t kernel, const at::Tensor* w, int64_t param) {
+  switch (kernel) {
+#ifdef NANOSERVE_BLOCK_LINEAR
+    case kInt4BlockLinear: return int4_block_linear(x, w[0], w[1], w[2], param);
+    case kInt8BlockLinear: return int8_block_linear(x, w[0], w[1]);
+#endif
+#ifdef NANOSERVE_INT4_LINEAR
+    case kInt4Linear: return int4_linear(x, w[0], w[1], w[2]);
+#endif
+    case kW8a8Linear: return w8a8_linear(x, w[0], w[1], param);
+    default: TORCH_CHECK(false, "decode_layer: linear kernel ", kernel, " is not built for this CPU");
+  }
+}
+
+// store_kvcache_planned: x [T, kv_heads, head_dim] into the cache's slots, as reference.to_cache stores it
+void store_in_cache(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, double scale) {
+  const auto flat = cache.view({-1, cache.size(2), cache.size(3)});
+  if (cache.scalar_type() != at::kFloat8_e4m3fn) {
+    flat.index_copy_(0, slots, x.to(cache.scalar_type()));
+    return;
+  }
+  const double top = static_cast<float>(std::numeric_limits<Fp8>::max());
+  const auto codes = (x.to(at::kFloat) / scale).clamp(-top, top).to(at::kFloat8_e4m3fn);
+  flat.view(at::kByte).index_copy_(0, slots, codes.view(at::kByte));  // index_copy_ has no fp8 kernel
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, double k_scale, double v_scale, const at::Tensor& slots,
+    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+    at::TensorList norms, double eps, at::IntArrayRef kernels, at::IntArrayRef params, at::TensorList weights,
+    int64_t heads, int64_t kv_heads, double scale) {
+  TORCH_CHECK(norms.size() == 2 && kernels.size() == 4 && params.size() == 4 && weights.size() == 12,
+              "decode_layer: 2 norms; 4 linear layers, each a kernel, a param and 3 weights");
+  const auto linear = [&](const at::Tensor& in, int64_t i) {
+    return quantized_linear(in, kernels[i], weights.data() + 3 * i, params[i]);
+  };
+  const int64_t tokens = x.size(0), d = k_cache.size(3);
+  auto [h, res] = residual ? fused_add_rms_norm(x, *residual, norms[0], eps)
+                           : std::make_tuple(rms_norm(x, norms[0], eps), x);
+  const auto qkv = linear(h, 0);
+  const auto part = [&](int64_t first, int64_t count) {
+    return qkv.narrow(1, first * d, count * d).view({tokens, count, d});
+  };
+  auto [q, k] = rotary(part(0, heads), part(heads, kv_heads), cos, sin);
+  store_in_cache(k, k_cache, slots, k_scale);
+  store_in_cache(part(heads + kv_heads, kv_heads), v_cache, slots, v_scale);
+  auto attention = at::empty_like(q);
+  paged_decode_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
+                         v_scale);
+  std::tie(h, res) = fused_add_rms_norm(linear(attention.view({tokens, heads * d}), 1), res, norms[1], eps);
+  return {linear(silu_and_mul(linear(h, 2)), 3), res};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(nanoserve_cpu, m) {
@@ -1021,6 +1083,10 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
+  m.def("decode_layer(Tensor x, Tensor? residual, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, "
+        "float k_scale, float v_scale, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
+        "Tensor seq_lens, Tensor[] norms, float eps, int[] kernels, int[] params, Tensor[] weights, int heads, "
+        "int kv_heads, float scale) -> (Tensor, Tensor)", &decode_layer);
 #ifdef NANOSERVE_BLOCK_LINEAR
   m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int out_features) -> Tensor",
         &int4_block_linear);

@@ -155,6 +155,13 @@ class Int8Weight:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
 
+    def cpu_kernel(self) -> tuple[str, tuple, int] | None:
+        """(the cpu_ops kernel, its weight tensors, its int argument) that `linear` calls, for layers/decode_layer.py;
+        None where it calls none."""
+        if self.w8a8:
+            return "w8a8_linear", (self.qweight, self.scales), ACTIVATION_DIGITS
+        return ("int8_block_linear", (self.qweight, self.scales), 0) if self.blocks else None
+
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.qweight.to(device), self.scales.to(device))
 
@@ -257,6 +264,9 @@ class ChunkedInt4Weight(GroupPackedInt4):
         y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
         return y if bias is None else y + bias
 
+    def cpu_kernel(self) -> tuple[str, tuple, int]:
+        return "int4_linear", (self.packed, self.scale, self.offset), 0
+
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_chunks(self.packed, self.scale, self.offset)
 
@@ -279,6 +289,9 @@ class InterleavedInt4Weight(GroupPackedInt4):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = cpu_op("int4_block_linear")(x, self.packed, self.scale, self.offset, self.out_features)
         return y if bias is None else y + bias
+
+    def cpu_kernel(self) -> tuple[str, tuple, int]:
+        return "int4_block_linear", (self.packed, self.scale, self.offset), self.out_features
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_interleaved(self.packed, self.scale, self.offset, self.out_features)

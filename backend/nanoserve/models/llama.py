@@ -7,6 +7,7 @@ from torch import nn
 
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionBackend
+from nanoserve.layers.decode_layer import DecodeLayerOp
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoserve.layers.norm import RMSNorm
@@ -73,8 +74,19 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.decode_op: DecodeLayerOp | None = None  # set by fuse_decode
+
+    def fuse_decode(self) -> None:
+        """Run decode steps as one op where it can (layers/decode_layer.py): not with the q/k norms of Qwen3."""
+        attention = self.self_attn
+        if type(attention).qk_norm is LlamaAttention.qk_norm:
+            self.decode_op = DecodeLayerOp.of(
+                (self.input_layernorm, self.post_attention_layernorm),
+                (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj), attention.attn)
 
     def forward(self, angles, x, residual, attn_metadata, lora=None):
+        if lora is None and self.decode_op is not None and self.decode_op.runs(x, attn_metadata):
+            return self.decode_op(angles, x, residual, attn_metadata)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
