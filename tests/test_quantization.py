@@ -619,16 +619,31 @@ def assert_within_sum_rounding(y: torch.Tensor, expected: torch.Tensor, terms: t
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 65])  # 6 rows a pass
 @pytest.mark.parametrize("inputs", [576, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype):
+@pytest.mark.parametrize("group_dtype", [torch.float32, torch.float16])
+def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype, group_dtype):
     x = hard_activations(rows, inputs, dtype)
     codes = torch.randint(0, 16, (49, inputs), dtype=torch.uint8)  # 49: six blocks of 8 channels and one more
     codes[0] = 15  # the largest code everywhere in one channel
     scale, offset = torch.rand(49, inputs // 32) / 100, torch.randn(49, inputs // 32) / 10
-    packed, held_scale, held_offset = pack_int4_interleaved(codes), interleave_groups(scale), interleave_groups(offset)
+    packed = pack_int4_interleaved(codes)
+    held_scale, held_offset = (interleave_groups(t).to(group_dtype) for t in (scale, offset))
     y = block_kernels[0](x, packed, held_scale, held_offset, 49)
     assert y.dtype == dtype and y.shape == (rows, 49)
     terms = x.float().abs() @ dequantize_int4_interleaved(packed, held_scale, held_offset, 49).abs().T
     assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, held_scale, held_offset, 49), terms)
+
+
+def test_interleaved_groups_are_float16_where_it_holds_them_exactly():
+    """A GGUF file's float16 scales and mins take half the bytes; a scale float16 cannot hold keeps float32."""
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    halves = GroupQuantized(codes, torch.rand(16, 2).half().float(), -torch.rand(16, 2).half().float())
+    held = InterleavedInt4Weight.from_groups(halves)
+    assert held.scale.dtype == held.offset.dtype == torch.float16
+    assert torch.equal(held.dequantize(), halves.dequantize())
+    finer = GroupQuantized(codes, halves.scale + 2 ** -20, halves.offset)  # more bits than float16's 11
+    held = InterleavedInt4Weight.from_groups(finer)
+    assert held.scale.dtype == held.offset.dtype == torch.float32
+    assert torch.equal(held.dequantize(), finer.dequantize())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 65])

@@ -868,17 +868,23 @@ inline __m256i pair_in_every_lane(const int16_t* x) {
   return _mm256_set1_epi32(pair);
 }
 
+// 8 group scales or offsets as float32: held as float32, or as float16 (a GGUF file's, exactly, in fewer bytes)
+inline __m256 load_group(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load_group(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
 // out[r * n + 8 b + c] for the 8 channels c of channel block b and R rows of int16 block codes (with their d and
 // sums): over groups g, scale[b, g, c] * d[r, g] * (q . codes) + offset[b, g, c] * sums[r, g]. In
 // pack_int4_interleaved's layout each 16 bytes hold two input pairs of all 8 channels (one madd's worth), so that
 // each product lands in its own channel's lane: no horizontal sums, and one conversion and scaling per group for 8
 // channels. Channels past n (the last block's padding) are not written.
-template <int64_t R>
+template <int64_t R, typename S>
 void int4_block_rows(float* out, int64_t n, const int16_t* codes, const float* d, const float* sums,
-                     const uint8_t* packed, const float* scale, const float* offset, int64_t k, int64_t b) {
+                     const uint8_t* packed, const S* scale, const S* offset, int64_t k, int64_t b) {
   const int64_t groups = k / kBlock;
   const uint8_t* w = packed + b * groups * kBlock * kInterleave / 2;
-  const float *sc = scale + b * groups * kInterleave, *of = offset + b * groups * kInterleave;
+  const S *sc = scale + b * groups * kInterleave, *of = offset + b * groups * kInterleave;
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, w += kBlock * kInterleave / 2) {
@@ -893,7 +899,7 @@ void int4_block_rows(float* out, int64_t n, const int16_t* codes, const float* d
                                                                _mm256_madd_epi16(high, pair_in_every_lane(x + 16))));
       }
     }
-    const __m256 group_scale = _mm256_loadu_ps(sc + g * kInterleave), group_offset = _mm256_loadu_ps(of + g * kInterleave);
+    const __m256 group_scale = load_group(sc + g * kInterleave), group_offset = load_group(of + g * kInterleave);
     for (int64_t r = 0; r < R; ++r) {
       const __m256 both_scales = _mm256_mul_ps(group_scale, _mm256_set1_ps(d[r * groups + g]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact[r]), both_scales, acc[r]);
@@ -951,17 +957,18 @@ void for_tiles(int64_t rows, int64_t tiles, int64_t tile_work, const Run& run) {
 }
 
 // reference.int4_block_linear_ref: x [T, K] in int16 blocks @ the 4-bit weight of out_features channels in
-// pack_int4_interleaved's layout (packed [B, K * 4] uint8; scale and offset [B, K / 4] float32, by
+// pack_int4_interleaved's layout (packed [B, K * 4] uint8; scale and offset [B, K / 4] float32 or both float16, by
 // interleave_groups; B = ceil(out_features / 8)), in x's dtype. K: a multiple of 32.
 at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in, const at::Tensor& scale_in,
                              const at::Tensor& offset_in, int64_t out_features) {
   const int64_t blocks = (out_features + kInterleave - 1) / kInterleave;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) % kBlock == 0 && out_features > 0 &&
               packed_in.scalar_type() == at::kByte && packed_in.sizes() == at::IntArrayRef({blocks, x_in.size(1) * 4}) &&
-              scale_in.scalar_type() == at::kFloat && offset_in.scalar_type() == at::kFloat &&
-              scale_in.sizes() == offset_in.sizes() && scale_in.sizes() == at::IntArrayRef({blocks, x_in.size(1) / 4}),
+              (scale_in.scalar_type() == at::kFloat || scale_in.scalar_type() == at::kHalf) &&
+              offset_in.scalar_type() == scale_in.scalar_type() && scale_in.sizes() == offset_in.sizes() &&
+              scale_in.sizes() == at::IntArrayRef({blocks, x_in.size(1) / 4}),
               "x: [T, K], K a multiple of 32; packed: [ceil(out_features / 8), K * 4] uint8; scale, offset: "
-              "[ceil(out_features / 8), K / 4] float32");
+              "[ceil(out_features / 8), K / 4], both float32 or both float16");
   const auto x = x_in.contiguous(), packed = packed_in.contiguous();
   const auto scale = scale_in.contiguous(), offset = offset_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = out_features, groups = k / kBlock;
@@ -971,11 +978,16 @@ at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in
   const int16_t* codes = b.codes.data_ptr<int16_t>();
   const float *d = b.scales.data_ptr<float>(), *sums = b.sums.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const float *sc = scale.data_ptr<float>(), *of = offset.data_ptr<float>();
-  for_tiles<kInt4BlockRows>(rows, blocks, kInterleave * k, [&](auto R, int64_t r, int64_t block) {
-    int4_block_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of,
-                                        k, block);
-  });
+  const auto run = [&](const auto* sc, const auto* of) {
+    for_tiles<kInt4BlockRows>(rows, blocks, kInterleave * k, [&](auto R, int64_t r, int64_t block) {
+      int4_block_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of,
+                                          k, block);
+    });
+  };
+  if (scale.scalar_type() == at::kFloat)
+    run(scale.data_ptr<float>(), offset.data_ptr<float>());
+  else
+    run(scale.data_ptr<c10::Half>(), offset.data_ptr<c10::Half>());
   return out.to(x_in.scalar_type());
 }
 
