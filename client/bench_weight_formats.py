@@ -1,16 +1,18 @@
-"""SmolLM2-135M-Instruct from its GGUF file, float32 vs bfloat16 vs int8 vs int4 weights, side by side (not a test).
+"""SmolLM2-135M-Instruct from its GGUF file, float32 vs bfloat16 vs int8 vs int4 weights (and int4 with an fp8 KV
+cache), side by side (not a test).
 
     python client/bench_weight_formats.py [--concurrency 1 16 64] [--rounds 2] [--served [--llama-server PATH]]
 
 Each format is one engine: float32 and bfloat16 with `quantization="none"` (the file's weights dequantized),
-int8 and int4 (`quantization="int8"`; `"auto"`, which runs the file's Q4_1 codes as int4). Offline, all four
-engines live in this process; with --served each is a `nanoserve serve FILE.gguf` and requests stream through
-its OpenAI `/v1/completions`, and with --llama-server llama.cpp's `llama-server` on the same file runs beside
-them as one more format. Every round runs each format at each concurrency (that many requests at once, random
+int8 and int4 (`quantization="int8"`; `"auto"`, which runs the file's Q4_1 codes as int4), and int4-fp8kv (int4
+with `kv_cache_dtype="fp8"`: twice the KV blocks in the same memory). Offline, all the engines live in this
+process; with --served each is a `nanoserve serve FILE.gguf` and requests stream through its OpenAI
+`/v1/completions`, and with --llama-server llama.cpp's `llama-server` on the same file runs beside them as one
+more format. Every round runs each format at each concurrency (that many requests at once, random
 prompts of --prompt-len words, --max-tokens each with ignore_eos), the formats alternating and their order
 reversed every other round. Prints per run: output tok/s, inter-token latency p50, and at the end the medians as
 ratios to float32, with each format's weights' memory (the bytes of the model's weight tensors as the engine holds
-them: parameters, oneDNN-packed and quantized weights, each counted once).
+them: parameters, oneDNN-packed and quantized weights, each counted once) and KV blocks (offline).
 
 Offline, the engines compute on one thread (--threads) and the clock is that thread's CPU time, not wall time: on
 a machine whose cores other processes share, wall time measures their load as much as the engine (tok/s is then
@@ -38,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # triton
 FORMATS = {"float32": dict(dtype="float32", quantization="none"),
            "bfloat16": dict(dtype="bfloat16", quantization="none"),
            "int8": dict(dtype="float32", quantization="int8"),
-           "int4": dict(dtype="float32", quantization="auto")}
+           "int4": dict(dtype="float32", quantization="auto"),
+           "int4-fp8kv": dict(dtype="float32", quantization="auto", kv_cache_dtype="fp8")}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -61,6 +64,7 @@ class Offline:
 
         self.llm = LLM(gguf_path, device="cpu", max_model_len=512, **engine_args)
         self.weight_bytes = weight_bytes(self.llm.engine.executor.runner.model)
+        self.kv_blocks = self.llm.stats()["num_total_blocks"]  # in the same cpu_kvcache_space_gib for every format
 
     def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
         """(output tokens, wall seconds, inter-token gaps)."""
@@ -92,7 +96,7 @@ class OpenAIServer:
         import openai
 
         self.client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        self.weight_bytes = None
+        self.weight_bytes = self.kv_blocks = None
 
     def run(self, prompts, max_tokens: int) -> tuple[int, float, list[float]]:
         gaps, errors, lock = [], [], threading.Lock()
@@ -128,7 +132,7 @@ class Served(OpenAIServer):
     def __init__(self, gguf_path: str, engine_args: dict, log_dir: Path):
         from triton_server import nanoserve_serve
 
-        flags = [f"--{name}={value}" for name, value in engine_args.items()]
+        flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_args.items()]
         self.context = nanoserve_serve(gguf_path, log_dir, "--served-model-name", "bench", "--max-model-len", "512",
                                        *flags)
         self.connect(self.context.__enter__().openai_url)
@@ -238,13 +242,14 @@ def bench(engines: dict, args) -> dict:
 
 def report(engines: dict, results: dict, args) -> None:
     base = "float32" if "float32" in engines else next(iter(engines))
-    print("\n| format | weights' memory | " + " | ".join(f"{c} req: tok/s (x {base}), ITL p50 ms"
-                                                        for c in args.concurrency) + " |")
-    print("| --- | ---: |" + " ---: |" * len(args.concurrency))
+    print("\n| format | weights' memory | KV blocks | " + " | ".join(f"{c} req: tok/s (x {base}), ITL p50 ms"
+                                                                    for c in args.concurrency) + " |")
+    print("| --- | ---: | ---: |" + " ---: |" * len(args.concurrency))
     for name, engine in engines.items():
         memory = engine.weight_bytes
         base_memory = engines[base].weight_bytes
-        cells = [f"{memory / 2 ** 20:.0f} MiB ({memory / base_memory:.2f})" if memory else "-"]
+        cells = [f"{memory / 2 ** 20:.0f} MiB ({memory / base_memory:.2f})" if memory else "-",
+                 str(engine.kv_blocks or "-")]
         for c in args.concurrency:
             tok_s = statistics.median(r[0] for r in results[name, c])
             base_tok_s = statistics.median(r[0] for r in results[base, c])

@@ -65,6 +65,32 @@ def test_rotary_of_qkv_views(dtype, heads, kv_heads, head_dim, tokens):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", ["model", ref.FP8])
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.37, 2.5)])
+def test_store_kvcache_writes_what_the_reference_does(dtype, cache_dtype, scales):
+    """k and v as views of one qkv row (strided, as the layers pass them), into shuffled slots; an fp8 cache holds
+    x / scale saturated (values past 448 included) bit for bit as reference.to_cache makes it."""
+    cache_dtype = dtype if cache_dtype == "model" else cache_dtype
+    tokens, kv_heads, head_dim = 11, 2, 24
+    qkv = randn(tokens, 4 * kv_heads * head_dim, dtype=dtype) * 300
+    k = qkv[:, 2 * kv_heads * head_dim:3 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 3 * kv_heads * head_dim:].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(8 * 4, generator=torch.Generator().manual_seed(1))[:tokens]
+    caches = [torch.zeros(8, 4, kv_heads, head_dim, dtype=cache_dtype) for _ in range(4)]
+    cpu_op("store_kvcache")(k, v, caches[0], caches[1], slots, *scales)
+    ref.store_kvcache_ref(k, v, caches[2], caches[3], slots, *scales)
+    for got, expected in zip(caches[:2], caches[2:]):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_store_kvcache_rejects_a_slot_past_the_cache():
+    k = randn(2, 1, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="slot_mapping out of range"):
+        cpu_op("store_kvcache")(k, k, cache, cache.clone(), torch.tensor([3, 8]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 16), (9, 1536), (300, 200), (2, 3, 40)])
 def test_silu_and_mul(dtype, shape):
     x = randn(*shape, dtype=dtype) * 4  # the exponential's range, both tails

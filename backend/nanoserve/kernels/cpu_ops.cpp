@@ -262,6 +262,52 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
   });
 }
 
+// One token's x [kv_heads, head_dim] (rows of stride `row_stride`) into its cache slot, as reference.to_cache
+// stores it: x itself, or fp8 of x / scale, saturated at fp8's largest value.
+template <typename T, typename C>
+void store_token(C* slot, const T* x, int64_t row_stride, int64_t heads, int64_t d, float scale) {
+  const float top = static_cast<float>(std::numeric_limits<Fp8>::max());
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < d; ++i) {
+      if constexpr (std::is_same_v<C, Fp8>)
+        slot[h * d + i] = Fp8(std::clamp(static_cast<float>(x[h * row_stride + i]) / scale, -top, top));
+      else
+        slot[h * d + i] = x[h * row_stride + i];
+    }
+}
+
+// store_kvcache_ref for slots that are all valid: k, v [T, kv_heads, head_dim] (the last dim contiguous) into
+// k_cache, v_cache [blocks, block_size, kv_heads, head_dim] at slot_mapping [T], in x's dtype or fp8.
+void store_kvcache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& slot_mapping, double k_scale, double v_scale) {
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              v.scalar_type() == k.scalar_type() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              v_cache.scalar_type() == k_cache.scalar_type() && (fp8 || k_cache.scalar_type() == k.scalar_type()) &&
+              k_cache.dim() == 4 && k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) &&
+              slot_mapping.numel() == k.size(0),
+              "k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim] of k's dtype or fp8");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2), capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot_mapping out of range");
+  DISPATCH_FLOATS(k.scalar_type(), "store_kvcache", [&] {
+    const auto run = [&](auto* k_out, auto* v_out) {
+      using C = std::remove_pointer_t<decltype(k_out)>;
+      for (int64_t t = 0; t < tokens; ++t) {
+        store_token<scalar_t, C>(k_out + slot[t] * heads * d, k.data_ptr<scalar_t>() + t * k.stride(0), k.stride(1),
+                                 heads, d, static_cast<float>(k_scale));
+        store_token<scalar_t, C>(v_out + slot[t] * heads * d, v.data_ptr<scalar_t>() + t * v.stride(0), v.stride(1),
+                                 heads, d, static_cast<float>(v_scale));
+      }
+    };
+    if (fp8)
+      run(k_cache.data_ptr<Fp8>(), v_cache.data_ptr<Fp8>());
+    else
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+  });
+}
+
 // rms_norm_ref on each row of x [rows, n]: x * rsqrt(mean(x^2) + eps), rounded, times weight.
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* weight, int64_t rows, int64_t n, float eps) {
@@ -1043,18 +1089,6 @@ at::Tensor quantized_linear(const at::Tensor& x, int64_t kernel, const at::Tenso
   }
 }
 
-// store_kvcache_planned: x [T, kv_heads, head_dim] into the cache's slots, as reference.to_cache stores it
-void store_in_cache(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, double scale) {
-  const auto flat = cache.view({-1, cache.size(2), cache.size(3)});
-  if (cache.scalar_type() != at::kFloat8_e4m3fn) {
-    flat.index_copy_(0, slots, x.to(cache.scalar_type()));
-    return;
-  }
-  const double top = static_cast<float>(std::numeric_limits<Fp8>::max());
-  const auto codes = (x.to(at::kFloat) / scale).clamp(-top, top).to(at::kFloat8_e4m3fn);
-  flat.view(at::kByte).index_copy_(0, slots, codes.view(at::kByte));  // index_copy_ has no fp8 kernel
-}
-
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& k_cache, const at::Tensor& v_cache, double k_scale, double v_scale, const at::Tensor& slots,
@@ -1074,8 +1108,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     return qkv.narrow(1, first * d, count * d).view({tokens, count, d});
   };
   auto [q, k] = rotary(part(0, heads), part(heads, kv_heads), cos, sin);
-  store_in_cache(k, k_cache, slots, k_scale);
-  store_in_cache(part(heads + kv_heads, kv_heads), v_cache, slots, v_scale);
+  store_kvcache(k, part(heads + kv_heads, kv_heads), k_cache, v_cache, slots, k_scale, v_scale);
   auto attention = at::empty_like(q);
   paged_decode_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
                          v_scale);
@@ -1089,6 +1122,8 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start_loc, Tensor seq_lens, float scale, float k_scale=1.0, float v_scale=1.0) -> ()",
         &paged_decode_attention);
+  m.def("store_kvcache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()", &store_kvcache);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
         &fused_add_rms_norm);

@@ -54,9 +54,13 @@ def _prefill_seq(seq: int, start: int, q_len: int, ctx: int, device) -> PrefillS
 
 def store_kvcache_planned(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           plan: AttentionPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """store_kvcache_ref without the boolean-mask copies when no token is padded."""
+    """store_kvcache_ref without the boolean-mask copies when no token is padded: on the CPU one C++ kernel
+    (cpu_ops.cpp's store_kvcache, an fp8 cache's conversion included)."""
     if not plan.all_slots_valid:
         return store_kvcache_ref(k, v, k_cache, v_cache, plan.slot_mapping, k_scale, v_scale)
+    kernel = cpu_op("store_kvcache") if k.is_cpu and k_cache.dtype in (k.dtype, FP8) else None
+    if kernel is not None:
+        return kernel(k, v, k_cache, v_cache, plan.slot_mapping, k_scale, v_scale)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         x, cache = to_cache(x, cache.dtype, scale), cache.view(-1, *cache.shape[2:])
         if cache.dtype == FP8:  # index_copy_ has no fp8 kernel: copy the bytes
