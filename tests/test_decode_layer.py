@@ -1,5 +1,6 @@
-"""The one-op decoder layer of decode steps (layers/decode_layer.py) against the layers' modules on the same engine:
-the same kernels in the same order, so tokens and logprobs are equal exactly; and which layers it takes."""
+"""The one-op decoder layer of decode steps (layers/decode_layer.py) against the layers' modules on the same engine
+(Llama, Qwen2's biases, Qwen3's q/k norms): the same kernels in the same order, so tokens and logprobs are equal
+exactly; and which steps and layers it takes."""
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,21 @@ PROMPTS = ["The future of AI is", "def fibonacci(n):", "Paged attention keeps it
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return build_tiny_model(str(tmp_path_factory.mktemp("decode-layer")), "llama", seed=5, rope_scaling=None,
-                            initializer_range=0.1)
+def tiny_models(tmp_path_factory):
+    """Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms), each made at its first use."""
+    root, made = tmp_path_factory.mktemp("decode-layer"), {}
+
+    def model(arch: str) -> str:
+        if arch not in made:
+            extra = {"rope_scaling": None} if arch == "llama" else {}
+            made[arch] = build_tiny_model(str(root / arch), arch, seed=5, initializer_range=0.1, **extra)
+        return made[arch]
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_models):
+    return tiny_models("llama")
 
 
 def decoder_layers(llm) -> list:
@@ -29,12 +42,12 @@ def greedy(llm) -> list[tuple[list[int], list[dict]]]:
             for out in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("quantization, dtype, kv_cache_dtype", [
-    ("int8", "float32", "auto"), ("int4", "float32", "auto"), ("int4", "float32", "fp8"),
-    ("int4", "bfloat16", "auto")])
-def test_decode_steps_as_one_op_equal_the_modules(tiny_llama, quantization, dtype, kv_cache_dtype, make_llm,
+@pytest.mark.parametrize("arch, quantization, dtype, kv_cache_dtype", [
+    ("llama", "int8", "float32", "auto"), ("llama", "int4", "float32", "auto"), ("llama", "int4", "float32", "fp8"),
+    ("llama", "int4", "bfloat16", "auto"), ("qwen3", "int4", "float32", "auto"), ("qwen2", "int8", "float32", "fp8")])
+def test_decode_steps_as_one_op_equal_the_modules(tiny_models, arch, quantization, dtype, kv_cache_dtype, make_llm,
                                                   monkeypatch):
-    llm = make_llm(tiny_llama, quantization=quantization, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+    llm = make_llm(tiny_models(arch), quantization=quantization, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                    num_kvcache_blocks=64, enable_prefix_caching=False)  # (a second run's cached prefix would differ)
     layers = decoder_layers(llm)
     assert layers and all(layer.decode_op is not None for layer in layers)
@@ -48,11 +61,9 @@ def test_decode_steps_as_one_op_equal_the_modules(tiny_llama, quantization, dtyp
     assert fused == greedy(llm)
 
 
-@pytest.mark.parametrize("arch, quantization", [("llama", "none"), ("qwen3", "int8"), ("qwen2", "int8")])
-def test_layers_the_op_cannot_run_keep_their_modules(tmp_path, arch, quantization, make_llm):
-    """Float weights (oneDNN's matmuls), Qwen3's q/k norms and Qwen2's q/k/v biases are not in the op."""
-    model = build_tiny_model(str(tmp_path / arch), arch, seed=1, initializer_range=0.1)
-    llm = make_llm(model, quantization=quantization, num_kvcache_blocks=32)
+def test_float_weights_keep_the_modules(tiny_llama, make_llm):
+    """Float weights multiply in oneDNN (layers/linear.py), which the op does not call."""
+    llm = make_llm(tiny_llama, quantization="none", num_kvcache_blocks=32)
     layers = decoder_layers(llm)
     assert layers and all(layer.decode_op is None for layer in layers)
     assert all(len(ids) == 12 for ids, _ in greedy(llm))

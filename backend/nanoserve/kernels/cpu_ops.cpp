@@ -1072,7 +1072,8 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
 // One decoder layer of a step in which every row decodes (one query token, a valid slot): what
 // models/llama.py's LlamaDecoderLayer computes with the kernels above, in one call instead of a dozen ops and the
 // Python between them (layers/decode_layer.py). Its four linear layers (qkv, o, gate_up, down) are quantized, each
-// named by a LinearKernel, its three tensors and an int (out_features, digits, or unused).
+// named by a LinearKernel, its three tensors and an int (out_features, digits, or unused), with an optional bias;
+// norms: the input and post-attention RMSNorms' weights, then (Qwen3) those of q and k per head.
 enum LinearKernel : int64_t { kInt4BlockLinear = 0, kInt8BlockLinear = 1, kInt4Linear = 2, kW8a8Linear = 3 };
 
 at::Tensor quantized_linear(const at::Tensor& x, int64_t kernel, const at::Tensor* w, int64_t param) {
@@ -1094,11 +1095,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& k_cache, const at::Tensor& v_cache, double k_scale, double v_scale, const at::Tensor& slots,
     const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
     at::TensorList norms, double eps, at::IntArrayRef kernels, at::IntArrayRef params, at::TensorList weights,
-    int64_t heads, int64_t kv_heads, double scale) {
-  TORCH_CHECK(norms.size() == 2 && kernels.size() == 4 && params.size() == 4 && weights.size() == 12,
-              "decode_layer: 2 norms; 4 linear layers, each a kernel, a param and 3 weights");
+    const c10::List<std::optional<at::Tensor>>& biases, int64_t heads, int64_t kv_heads, double scale) {
+  TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && kernels.size() == 4 && params.size() == 4 &&
+              weights.size() == 12 && biases.size() == 4,
+              "decode_layer: 2 or 4 norms; 4 linear layers, each a kernel, a param, 3 weights and a bias or None");
   const auto linear = [&](const at::Tensor& in, int64_t i) {
-    return quantized_linear(in, kernels[i], weights.data() + 3 * i, params[i]);
+    const auto y = quantized_linear(in, kernels[i], weights.data() + 3 * i, params[i]);
+    const std::optional<at::Tensor> bias = biases.get(i);
+    return bias ? y + *bias : y;
   };
   const int64_t tokens = x.size(0), d = k_cache.size(3);
   auto [h, res] = residual ? fused_add_rms_norm(x, *residual, norms[0], eps)
@@ -1107,7 +1111,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const auto part = [&](int64_t first, int64_t count) {
     return qkv.narrow(1, first * d, count * d).view({tokens, count, d});
   };
-  auto [q, k] = rotary(part(0, heads), part(heads, kv_heads), cos, sin);
+  auto q = part(0, heads), k = part(heads, kv_heads);
+  if (norms.size() == 4) {
+    q = rms_norm(q.reshape({-1, d}), norms[2], eps).view({tokens, heads, d});
+    k = rms_norm(k.reshape({-1, d}), norms[3], eps).view({tokens, kv_heads, d});
+  }
+  std::tie(q, k) = rotary(q, k, cos, sin);
   store_kvcache(k, part(heads + kv_heads, kv_heads), k_cache, v_cache, slots, k_scale, v_scale);
   auto attention = at::empty_like(q);
   paged_decode_attention(attention, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, k_scale,
@@ -1132,8 +1141,8 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
   m.def("decode_layer(Tensor x, Tensor? residual, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, "
         "float k_scale, float v_scale, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor[] norms, float eps, int[] kernels, int[] params, Tensor[] weights, int heads, "
-        "int kv_heads, float scale) -> (Tensor, Tensor)", &decode_layer);
+        "Tensor seq_lens, Tensor[] norms, float eps, int[] kernels, int[] params, Tensor[] weights, Tensor?[] biases, "
+        "int heads, int kv_heads, float scale) -> (Tensor, Tensor)", &decode_layer);
 #ifdef NANOSERVE_BLOCK_LINEAR
   m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int out_features) -> Tensor",
         &int4_block_linear);

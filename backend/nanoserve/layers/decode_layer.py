@@ -1,11 +1,12 @@
-"""A decoder layer of a decode step as one CPU op (cpu_ops.cpp's decode_layer): both norms, the four quantized
-linear layers, the rotary embedding, the KV store and paged decode attention in one call.
+"""A decoder layer of a decode step as one CPU op (cpu_ops.cpp's decode_layer): both norms (and Qwen3's q/k norms),
+the four quantized linear layers with their biases, the rotary embedding, the KV store and paged decode attention
+in one call.
 
 At one request a small quantized model's decode step is a few hundred small ops, and the Python between them cost
 about as much as the quantized matmuls themselves (docs/benchmarks.md). The op calls the same kernels in the same
 order as the layer's modules, so it computes exactly what they compute, and it runs only where they would call
 those kernels: on the CPU, on one rank, in a step whose every row decodes (one query token, a valid slot) and that
-has no LoRA adapter, for a layer whose linear layers are quantized weights with a C++ kernel and have no bias.
+has no LoRA adapter, for a layer whose linear layers are quantized weights with a C++ kernel.
 Everything else (prefills, speculative verification, float weights, CUDA) takes the modules' path.
 """
 from __future__ import annotations
@@ -30,16 +31,16 @@ class DecodeLayerOp:
     the call that adds the step's (its angles, cache, attention plan)."""
 
     def __init__(self, norms: list[torch.Tensor], eps: float, kernels: list[int], params: list[int],
-                 weights: list[torch.Tensor], attn: Attention):
+                 weights: list[torch.Tensor], biases: list[torch.Tensor | None], attn: Attention):
         self.op = cpu_op("decode_layer")
         self.norms, self.eps, self.kernels, self.params, self.weights = norms, eps, kernels, params, weights
-        self.attn = attn
+        self.biases, self.attn = biases, attn
 
     @classmethod
-    def of(cls, norms: tuple[RMSNorm, RMSNorm], linears: tuple[LinearBase, ...], attn: Attention):
-        """The op for a layer of these norms, linear layers (qkv, o, gate_up, down) and attention, or None where
-        the op cannot run it."""
-        if (not norms[0].weight.is_cpu or get_tp_size() != 1 or norms[0].eps != norms[1].eps
+    def of(cls, norms: tuple[RMSNorm, ...], linears: tuple[LinearBase, ...], attn: Attention):
+        """The op for a layer of these norms (input, post-attention, and q and k or none), linear layers (qkv, o,
+        gate_up, down) and attention, or None where the op cannot run it."""
+        if (not norms[0].weight.is_cpu or get_tp_size() != 1 or len({norm.eps for norm in norms}) != 1
                 or cpu_op("decode_layer") is None):
             return None
         specs = [linear_kernel(linear) for linear in linears]
@@ -48,7 +49,7 @@ class DecodeLayerOp:
         kernels = [LINEAR_KERNELS.index(name) for name, _, _ in specs]
         weights = [tensor for _, tensors, _ in specs for tensor in tensors]
         return cls([norm.weight for norm in norms], norms[0].eps, kernels, [param for *_, param in specs], weights,
-                   attn)
+                   [linear.bias for linear in linears], attn)
 
     def runs(self, x: torch.Tensor, attn_metadata) -> bool:
         """Whether this step's layer is the op's: every row decodes, and the cache is one its kernel reads."""
@@ -61,14 +62,14 @@ class DecodeLayerOp:
         attn = self.attn
         return self.op(x, residual, *angles, attn.k_cache, attn.v_cache, *attn.kv_scales, plan.slot_mapping,
                        plan.block_tables, plan.query_start_loc, plan.seq_lens, self.norms, self.eps, self.kernels,
-                       self.params, self.weights, attn.num_heads, attn.num_kv_heads, attn.scale)
+                       self.params, self.weights, self.biases, attn.num_heads, attn.num_kv_heads, attn.scale)
 
 
 def linear_kernel(linear: LinearBase) -> tuple[str, tuple[torch.Tensor, ...], int] | None:
     """(kernel of LINEAR_KERNELS, its three weight tensors, its int argument) for a linear layer's weight, or None
-    where the op has no kernel for it (a float or torch-kernel weight, a bias, CUDA)."""
+    where the op has no kernel for it (a float or torch-kernel weight, CUDA)."""
     kernel = getattr(linear.packed_weight, "cpu_kernel", None)
-    spec = None if linear.bias is not None or kernel is None else kernel()
+    spec = None if kernel is None else kernel()
     if spec is None:
         return None
     name, tensors, param = spec

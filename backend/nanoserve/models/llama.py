@@ -30,6 +30,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5, attention_backend)
+        self.q_norm = self.k_norm = None  # per-head RMSNorms of q and k before RoPE (Qwen3's)
 
     @staticmethod
     def biases(config) -> tuple[bool, bool]:
@@ -38,7 +39,7 @@ class LlamaAttention(nn.Module):
         return bias, bias
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor):
-        return q, k
+        return (q, k) if self.q_norm is None else (self.q_norm(q), self.k_norm(k))
 
     def forward(self, angles, x: torch.Tensor, attn_metadata, lora=None) -> torch.Tensor:
         """angles: the rotary embedding's (cos, sin) of the tokens' positions."""
@@ -77,12 +78,12 @@ class LlamaDecoderLayer(nn.Module):
         self.decode_op: DecodeLayerOp | None = None  # set by fuse_decode
 
     def fuse_decode(self) -> None:
-        """Run decode steps as one op where it can (layers/decode_layer.py): not with the q/k norms of Qwen3."""
+        """Run decode steps as one op where it can (layers/decode_layer.py)."""
         attention = self.self_attn
-        if type(attention).qk_norm is LlamaAttention.qk_norm:
-            self.decode_op = DecodeLayerOp.of(
-                (self.input_layernorm, self.post_attention_layernorm),
-                (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj), attention.attn)
+        qk_norms = () if attention.q_norm is None else (attention.q_norm, attention.k_norm)
+        self.decode_op = DecodeLayerOp.of(
+            (self.input_layernorm, self.post_attention_layernorm, *qk_norms),
+            (attention.qkv_proj, attention.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj), attention.attn)
 
     def forward(self, angles, x, residual, attn_metadata, lora=None):
         if lora is None and self.decode_op is not None and self.decode_op.runs(x, attn_metadata):

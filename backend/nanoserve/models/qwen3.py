@@ -11,9 +11,6 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def qk_norm(self, q, k):
-        return self.q_norm(q), self.k_norm(k)
-
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
