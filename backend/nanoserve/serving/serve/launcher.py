@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import importlib.util
 import itertools
 import json
@@ -122,12 +123,15 @@ def free_ports(count: int = 3, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def _prepare_child() -> None:
+def _prepare_child(cpus: set[int]) -> None:
     # Runs in the child before exec. tritonserver installs its handlers only once models are loaded: until then
     # SIGINT/SIGTERM must kill it, even when this process was started with them ignored (a background job).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: SIGTERM when the starting thread dies
+    # Intel OpenMP's fork handler (nanoserve/openmp.py loads it) binds a forked child to one CPU, and exec keeps the
+    # mask: tritonserver, its stubs and their engines would all run on the first CPU alone.
+    os.sched_setaffinity(0, cpus)
 
 
 class TritonServer:
@@ -204,7 +208,7 @@ class TritonServer:
             self.process = subprocess.Popen(self.command(backend_dir), env=stub_environment(self.install),
                                             stdout=self._log, stderr=subprocess.STDOUT if self._log else None,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            preexec_fn=_prepare_child)
+                                            preexec_fn=functools.partial(_prepare_child, os.sched_getaffinity(0)))
         except BaseException:
             self._cleanup()
             raise
