@@ -1139,7 +1139,7 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("w8a8_linear(Tensor x, Tensor qweight, Tensor scales, int digits) -> Tensor", &w8a8_linear);
-  m.def("decode_layer(Tensor x, Tensor? residual, Tensor cos, Tensor sin, Tensor k_cache, Tensor v_cache, "
+  m.def("decode_layer(Tensor x, Tensor? residual, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "float k_scale, float v_scale, Tensor slot_mapping, Tensor block_tables, Tensor query_start_loc, "
         "Tensor seq_lens, Tensor[] norms, float eps, int[] kernels, int[] params, Tensor[] weights, Tensor?[] biases, "
         "int heads, int kv_heads, float scale) -> (Tensor, Tensor)", &decode_layer);

@@ -1,6 +1,6 @@
-"""The CPU kernels of cpu_ops.cpp as torch.ops.nanoserve_cpu: paged decode attention, RMSNorm (with the residual
-add), rotary embedding, SiLU-and-mul and the W8A8 linear (int8 activations x int8 weights), each one op where the
-plain-torch reference takes 3 to 12.
+"""The CPU kernels of cpu_ops.cpp as torch.ops.nanoserve_cpu: paged decode attention, the KV store, RMSNorm (with
+the residual add), rotary embedding, SiLU-and-mul and the quantized linear layers, each one op where the plain-torch
+reference takes 3 to 12; and decode_layer, a decode step's whole decoder layer (layers/decode_layer.py).
 
 They are compiled for this machine's CPU on first use (torch.utils.cpp_extension with ninja and the system C++
 compiler, ~10 s), once per source, torch and CPU, into NANOSERVE_CACHE (default ~/.cache/nanoserve). Where they
