@@ -52,13 +52,23 @@ def _prefill_seq(seq: int, start: int, q_len: int, ctx: int, device) -> PrefillS
     return PrefillSeq(seq, start, q_len, ctx, mask)
 
 
+def cpu_reads_cache(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the C++ cache kernels take this cache for activations x: on the CPU, in x's dtype or fp8."""
+    return x.is_cpu and cache.dtype in (x.dtype, FP8)
+
+
+def cpu_cache_op(name: str, x: torch.Tensor, cache: torch.Tensor):
+    """cpu_ops.cpp's cache kernel `name` where it takes this cache (cpu_reads_cache), else None."""
+    return cpu_op(name) if cpu_reads_cache(x, cache) else None
+
+
 def store_kvcache_planned(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           plan: AttentionPlan, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """store_kvcache_ref without the boolean-mask copies when no token is padded: on the CPU one C++ kernel
     (cpu_ops.cpp's store_kvcache, an fp8 cache's conversion included)."""
     if not plan.all_slots_valid:
         return store_kvcache_ref(k, v, k_cache, v_cache, plan.slot_mapping, k_scale, v_scale)
-    kernel = cpu_op("store_kvcache") if k.is_cpu and k_cache.dtype in (k.dtype, FP8) else None
+    kernel = cpu_cache_op("store_kvcache", k, k_cache)
     if kernel is not None:
         return kernel(k, v, k_cache, v_cache, plan.slot_mapping, k_scale, v_scale)
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
@@ -76,8 +86,7 @@ def paged_attention_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     cache: every token must see the K/V that later steps will read)."""
     out = torch.empty_like(q)
     if plan.has_decode:
-        kernel = cpu_op("paged_decode_attention") if q.is_cpu and k_cache.dtype in (q.dtype, FP8) else None
-        decode = kernel or decode_attention_ref
+        decode = cpu_cache_op("paged_decode_attention", q, k_cache) or decode_attention_ref
         decode(out, q, k_cache, v_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens, scale,
                k_scale, v_scale)
     fresh_ok = k.dtype == k_cache.dtype

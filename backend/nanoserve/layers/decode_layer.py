@@ -16,8 +16,7 @@ from torch import nn
 
 from nanoserve.distributed import get_tp_size
 from nanoserve.kernels.cpu_ops import cpu_op
-from nanoserve.kernels.reference import FP8
-from nanoserve.kernels.torch_attention import AttentionPlan
+from nanoserve.kernels.torch_attention import AttentionPlan, cpu_reads_cache
 from nanoserve.layers.attention import Attention
 from nanoserve.layers.linear import LinearBase
 from nanoserve.layers.norm import RMSNorm
@@ -51,11 +50,10 @@ class DecodeLayerOp:
         return cls([norm.weight for norm in norms], norms[0].eps, kernels, [param for *_, param in specs], weights,
                    [linear.bias for linear in linears], attn)
 
-    def runs(self, x: torch.Tensor, attn_metadata) -> bool:
+    def runs(self, x: torch.Tensor, plan) -> bool:
         """Whether this step's layer is the op's: every row decodes, and the cache is one its kernel reads."""
-        plan = attn_metadata
         return (isinstance(plan, AttentionPlan) and plan.has_decode and not plan.prefill and plan.all_slots_valid
-                and self.attn.k_cache.dtype in (x.dtype, FP8))
+                and cpu_reads_cache(x, self.attn.k_cache))
 
     def __call__(self, angles, x: torch.Tensor, residual: torch.Tensor | None, plan: AttentionPlan):
         """(the layer's output, the residual stream), as LlamaDecoderLayer.forward returns them."""
@@ -66,14 +64,13 @@ class DecodeLayerOp:
 
 
 def linear_kernel(linear: LinearBase) -> tuple[str, tuple[torch.Tensor, ...], int] | None:
-    """(kernel of LINEAR_KERNELS, its three weight tensors, its int argument) for a linear layer's weight, or None
-    where the op has no kernel for it (a float or torch-kernel weight, CUDA)."""
-    kernel = getattr(linear.packed_weight, "cpu_kernel", None)
-    spec = None if kernel is None else kernel()
-    if spec is None:
+    """(kernel of LINEAR_KERNELS, its three weight tensors, its int argument or 0) for a linear layer's weight, or
+    None where the op has no kernel for it (a float or torch-kernel weight, CUDA)."""
+    kernel_of = getattr(linear.packed_weight, "cpu_kernel", None)
+    kernel = None if kernel_of is None else kernel_of()
+    if kernel is None:
         return None
-    name, tensors, param = spec
-    return name, tensors + (NO_TENSOR,) * (3 - len(tensors)), param
+    return kernel.name, kernel.tensors + (NO_TENSOR,) * (3 - len(kernel.tensors)), (*kernel.args, 0)[0]
 
 
 def fuse_decode_layers(model: nn.Module) -> None:

@@ -63,6 +63,19 @@ KERNEL_DTYPE = torch.bfloat16
 TINY = torch.finfo(KERNEL_DTYPE).tiny
 
 
+@dataclass(frozen=True)
+class CpuKernel:
+    """A weight's cpu_ops.cpp matmul: the kernel's name, the weight's tensors and the int arguments after them.
+    `linear` calls it, and layers/decode_layer.py hands the same to its one-op decoder layer."""
+    name: str
+    tensors: tuple[torch.Tensor, ...]
+    args: tuple[int, ...] = ()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = cpu_op(self.name)(x, *self.tensors, *self.args)
+        return y if bias is None else y + bias
+
+
 def rounded_up(scale: torch.Tensor) -> torch.Tensor:
     """scale in KERNEL_DTYPE, no smaller than it was (bfloat16 keeps 8 significant bits)."""
     return (scale.clamp_min(TINY) * (1 + 2 ** -7)).to(KERNEL_DTYPE)
@@ -145,22 +158,22 @@ class Int8Weight:
         return cls(qweight, scales)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel = self.cpu_kernel()
+        if kernel is not None:
+            return kernel(x, bias)
         if runs_triton(self.qweight):
             y = matmul_for(self.qweight, "int8_matmul", int8_matmul_ref)(x, self.qweight, self.scales)
-        elif self.w8a8:
-            y = cpu_op("w8a8_linear")(x, self.qweight, self.scales, ACTIVATION_DIGITS)
-        elif self.blocks:
-            y = cpu_op("int8_block_linear")(x, self.qweight, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
         return y if bias is None else y + bias
 
-    def cpu_kernel(self) -> tuple[str, tuple, int] | None:
-        """(the cpu_ops kernel, its weight tensors, its int argument) that `linear` calls, for layers/decode_layer.py;
-        None where it calls none."""
+    def cpu_kernel(self) -> CpuKernel | None:
+        """The cpu_ops.cpp kernel `linear` calls, or None where it calls another."""
+        if runs_triton(self.qweight):
+            return None
         if self.w8a8:
-            return "w8a8_linear", (self.qweight, self.scales), ACTIVATION_DIGITS
-        return ("int8_block_linear", (self.qweight, self.scales), 0) if self.blocks else None
+            return CpuKernel("w8a8_linear", (self.qweight, self.scales), (ACTIVATION_DIGITS,))
+        return CpuKernel("int8_block_linear", (self.qweight, self.scales)) if self.blocks else None
 
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.qweight.to(device), self.scales.to(device))
@@ -261,11 +274,10 @@ class ChunkedInt4Weight(GroupPackedInt4):
     pack = staticmethod(pack_int4_chunks)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = cpu_op("int4_linear")(x, self.packed, self.scale, self.offset)
-        return y if bias is None else y + bias
+        return self.cpu_kernel()(x, bias)
 
-    def cpu_kernel(self) -> tuple[str, tuple, int]:
-        return "int4_linear", (self.packed, self.scale, self.offset), 0
+    def cpu_kernel(self) -> CpuKernel:
+        return CpuKernel("int4_linear", (self.packed, self.scale, self.offset))
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_chunks(self.packed, self.scale, self.offset)
@@ -289,11 +301,10 @@ class InterleavedInt4Weight(GroupPackedInt4):
         return cls(pack_int4_interleaved(groups.codes), scale, offset, groups.codes.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = cpu_op("int4_block_linear")(x, self.packed, self.scale, self.offset, self.out_features)
-        return y if bias is None else y + bias
+        return self.cpu_kernel()(x, bias)
 
-    def cpu_kernel(self) -> tuple[str, tuple, int]:
-        return "int4_block_linear", (self.packed, self.scale, self.offset), self.out_features
+    def cpu_kernel(self) -> CpuKernel:
+        return CpuKernel("int4_block_linear", (self.packed, self.scale, self.offset), (self.out_features,))
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4_interleaved(self.packed, self.scale, self.offset, self.out_features)
