@@ -5,6 +5,8 @@ package's dequantization and run within the format's error; the formats models/q
 LoRA on a quantized layer."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from device import engine_defaults
 from kernel_cache import cache_with_kernels
 from nanoserve import SamplingParams
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -342,12 +345,13 @@ def test_gguf_model_on_the_triton_path_equals_its_reference(tiny_llama, qtype, m
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def greedy_agreement(float_llm, quantized_llm, prompts, tokens: int):
-    """(prompts whose first `tokens` greedy tokens are equal, the largest |logprob difference| of a chosen token
-    while the two agree)."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0)
-    expected = float_llm.generate(prompts, params, use_tqdm=False)
-    got = quantized_llm.generate(prompts, params, use_tqdm=False)
+GREEDY_TOKENS = 16
+
+
+def greedy_agreement(expected: list, quantized_llm, prompts) -> tuple[int, float]:
+    """(prompts whose first GREEDY_TOKENS greedy tokens equal the float engine's `expected` outputs, the largest
+    |logprob difference| of a chosen token while the two agree)."""
+    got = quantized_llm.generate(prompts, GREEDY, use_tqdm=False)
     equal, worst = 0, 0.0
     for a, b in zip(expected, got):
         equal += a.token_ids == b.token_ids
@@ -355,9 +359,12 @@ def greedy_agreement(float_llm, quantized_llm, prompts, tokens: int):
             if token_a != token_b:
                 break
             worst = max(worst, abs(logprobs_a[token_a] - logprobs_b[token_b]))
-    print(f"\n{quantized_llm.engine.config.quantization}: {equal}/{len(prompts)} prompts agree on {tokens} tokens; "
-          f"largest |logprob difference| while they agree {worst:.4f}")
+    print(f"\n{quantized_llm.engine.config.quantization}: {equal}/{len(prompts)} prompts agree on {GREEDY_TOKENS} "
+          f"tokens; largest |logprob difference| while they agree {worst:.4f}")
     return equal, worst
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=0)
 
 
 TINY_PROMPTS = ["The future of AI is", "def fibonacci(n):", "Paged attention keeps", "Hello, my name is",
@@ -413,18 +420,47 @@ def smollm2_prompts():
     return path, chats + SMOLLM2_TEXTS
 
 
-def teacher_forced_agreement(float_llm, quantized_llm, prompts) -> tuple[float, float]:
-    """Over every position of the prompts continued by the float engine (32 sampled tokens each): the share where
-    the quantized engine's most likely next token is the float engine's, and the mean |logprob difference| of the
-    token that follows. Unlike greedy runs, which part at the first near-tie, each position counts once."""
-    continued = float_llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True),
-                                   use_tqdm=False)
-    sequences = [float_llm.tokenizer.encode(prompt) + out.token_ids for prompt, out in zip(prompts, continued)]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    expected, got = (llm.generate(sequences, params, use_tqdm=False) for llm in (float_llm, quantized_llm))
+@dataclass
+class FloatRuns:
+    """The float engine's runs that the quantized engines are held against: greedy outputs of the prompts, and
+    the prompts continued by it (32 sampled tokens each) with its prompt logprobs over them."""
+    greedy: list
+    sequences: list[list[int]]
+    prompt_logprobs: list
+
+
+@pytest.fixture(scope="module")
+def smollm2_float_runs(smollm2_prompts) -> FloatRuns:
+    """Made once for the module: the float32 engine on SmolLM2's dequantized weights (every KV block free after)."""
+    from nanoserve import LLM
+
+    path, prompts = smollm2_prompts
+    llm = LLM(path, **{**engine_defaults(), **SMOLLM2_ARGS, "quantization": "none"})
+    try:
+        greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+        continued = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True),
+                                 use_tqdm=False)
+        sequences = [llm.tokenizer.encode(prompt) + out.token_ids for prompt, out in zip(prompts, continued)]
+        scored = llm.generate(sequences, PROMPT_LOGPROBS, use_tqdm=False)
+        stats = llm.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"
+    finally:
+        llm.shutdown()
+    return FloatRuns(greedy, sequences, [out.prompt_logprobs for out in scored])
+
+
+SMOLLM2_ARGS = {"max_model_len": 512, "num_kvcache_blocks": 64}
+PROMPT_LOGPROBS = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+
+def teacher_forced_agreement(float_runs: FloatRuns, quantized_llm) -> tuple[float, float]:
+    """Over every position of the prompts continued by the float engine: the share where the quantized engine's
+    most likely next token is the float engine's, and the mean |logprob difference| of the token that follows.
+    Unlike greedy runs, which part at the first near-tie, each position counts once."""
+    got = quantized_llm.generate(float_runs.sequences, PROMPT_LOGPROBS, use_tqdm=False)
     same, differences = [], []
-    for sequence, a, b in zip(sequences, expected, got):
-        for token, logprobs_a, logprobs_b in zip(sequence[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+    for sequence, expected, b in zip(float_runs.sequences, float_runs.prompt_logprobs, got):
+        for token, logprobs_a, logprobs_b in zip(sequence[1:], expected[1:], b.prompt_logprobs[1:]):
             top_a, top_b = (max(logprobs, key=lambda t: float(logprobs[t])) for logprobs in (logprobs_a, logprobs_b))
             same.append(top_a == top_b)
             differences.append(abs(float(logprobs_a[token]) - float(logprobs_b[token])))
@@ -437,8 +473,8 @@ def teacher_forced_agreement(float_llm, quantized_llm, prompts) -> tuple[float, 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization, min_equal, min_share, max_logprob_error", [
     ("auto", 11, 0.94, 0.07), ("int4", 11, 0.94, 0.07), ("int8", 6, 0.90, 0.14)])
-def test_smollm2_follows_the_float_engine(smollm2_prompts, quantization, min_equal, min_share, max_logprob_error,
-                                          make_llm):
+def test_smollm2_follows_the_float_engine(smollm2_prompts, smollm2_float_runs, quantization, min_equal, min_share,
+                                          max_logprob_error, make_llm):
     """The demo's file (Q4_1 codes: "auto" runs them as int4, "int4" requantizes the dequantized weights to groups
     of 32 again, "int8" to one scale per row) against the float32 engine on the same, dequantized, weights, on 20
     prompts: greedy runs of 16 tokens equal, and (a measure that near-ties do not swing) the most likely token under
@@ -447,10 +483,9 @@ def test_smollm2_follows_the_float_engine(smollm2_prompts, quantization, min_equ
     int8 (int8_block_linear) 10/20, 0.974, 0.081, weight-only 9/20, 0.972, 0.090. Activations in int8 blocks
     (llama.cpp's Q8 codes) tripled the logprob difference (cpu_ops.cpp). Broken kernels agree on none."""
     path, prompts = smollm2_prompts
-    float_llm = make_llm(path, quantization="none", max_model_len=512, num_kvcache_blocks=64)
-    quantized_llm = make_llm(path, quantization=quantization, max_model_len=512, num_kvcache_blocks=64)
-    equal, _ = greedy_agreement(float_llm, quantized_llm, prompts, 16)
-    share, mean_error = teacher_forced_agreement(float_llm, quantized_llm, prompts)
+    quantized_llm = make_llm(path, quantization=quantization, **SMOLLM2_ARGS)
+    equal, _ = greedy_agreement(smollm2_float_runs.greedy, quantized_llm, prompts)
+    share, mean_error = teacher_forced_agreement(smollm2_float_runs, quantized_llm)
     assert equal >= min_equal and share >= min_share and mean_error <= max_logprob_error
 
 
