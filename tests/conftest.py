@@ -61,9 +61,8 @@ def lora_adapters(tiny_models, tmp_path_factory):
             for arch in ("qwen3", "llama")}
 
 
-@pytest.fixture
-def make_llm():
-    """Builds LLMs and checks, after the test, that every KV block is free again (no leaks)."""
+def checked_llms():
+    """(factory, llms made): LLMs built with the tests' engine defaults, for check_and_shut_down after use."""
     from nanoserve import LLM
 
     made = []
@@ -73,12 +72,32 @@ def make_llm():
         made.append(llm)
         return llm
 
-    yield factory
+    return factory, made
+
+
+def check_and_shut_down(made: list) -> None:
+    """Shut each LLM down, asserting that it holds no request and that every KV block is free again (no leaks)."""
     for llm in made:
         stats = llm.stats()
         llm.shutdown()
         assert not llm.engine.has_unfinished_requests(), "requests left in the engine"
         assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"
+
+
+@pytest.fixture
+def make_llm():
+    """Builds LLMs and checks, after the test, that every KV block is free again (no leaks)."""
+    factory, made = checked_llms()
+    yield factory
+    check_and_shut_down(made)
+
+
+@pytest.fixture(scope="module")
+def make_module_llm():
+    """make_llm for LLMs that a module's tests share: checked after the module's last test."""
+    factory, made = checked_llms()
+    yield factory
+    check_and_shut_down(made)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from device import engine_defaults
 from kernel_cache import cache_with_kernels
 from nanoserve import SamplingParams
 from nanoserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -346,6 +345,7 @@ def test_gguf_model_on_the_triton_path_equals_its_reference(tiny_llama, qtype, m
 
 
 GREEDY_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=0)
 
 
 def greedy_agreement(expected: list, quantized_llm, prompts) -> tuple[int, float]:
@@ -362,9 +362,6 @@ def greedy_agreement(expected: list, quantized_llm, prompts) -> tuple[int, float
     print(f"\n{quantized_llm.engine.config.quantization}: {equal}/{len(prompts)} prompts agree on {GREEDY_TOKENS} "
           f"tokens; largest |logprob difference| while they agree {worst:.4f}")
     return equal, worst
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=0)
 
 
 TINY_PROMPTS = ["The future of AI is", "def fibonacci(n):", "Paged attention keeps", "Hello, my name is",
@@ -429,28 +426,21 @@ class FloatRuns:
     prompt_logprobs: list
 
 
-@pytest.fixture(scope="module")
-def smollm2_float_runs(smollm2_prompts) -> FloatRuns:
-    """Made once for the module: the float32 engine on SmolLM2's dequantized weights (every KV block free after)."""
-    from nanoserve import LLM
-
-    path, prompts = smollm2_prompts
-    llm = LLM(path, **{**engine_defaults(), **SMOLLM2_ARGS, "quantization": "none"})
-    try:
-        greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
-        continued = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True),
-                                 use_tqdm=False)
-        sequences = [llm.tokenizer.encode(prompt) + out.token_ids for prompt, out in zip(prompts, continued)]
-        scored = llm.generate(sequences, PROMPT_LOGPROBS, use_tqdm=False)
-        stats = llm.stats()
-        assert stats["num_free_blocks"] == stats["num_total_blocks"], f"leaked KV blocks: {stats}"
-    finally:
-        llm.shutdown()
-    return FloatRuns(greedy, sequences, [out.prompt_logprobs for out in scored])
-
-
 SMOLLM2_ARGS = {"max_model_len": 512, "num_kvcache_blocks": 64}
 PROMPT_LOGPROBS = SamplingParams(max_tokens=1, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def smollm2_float_runs(smollm2_prompts, make_module_llm) -> FloatRuns:
+    """Made once for the module: the float32 engine on SmolLM2's dequantized weights."""
+    path, prompts = smollm2_prompts
+    llm = make_module_llm(path, quantization="none", **SMOLLM2_ARGS)
+    greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+    continued = llm.generate(prompts, SamplingParams(temperature=1.0, seed=1, max_tokens=32, ignore_eos=True),
+                             use_tqdm=False)
+    sequences = [llm.tokenizer.encode(prompt) + out.token_ids for prompt, out in zip(prompts, continued)]
+    scored = llm.generate(sequences, PROMPT_LOGPROBS, use_tqdm=False)
+    return FloatRuns(greedy, sequences, [out.prompt_logprobs for out in scored])
 
 
 def teacher_forced_agreement(float_runs: FloatRuns, quantized_llm) -> tuple[float, float]:

@@ -70,7 +70,7 @@ def linear_kernel(linear: LinearBase) -> tuple[str, tuple[torch.Tensor, ...], in
     kernel = None if kernel_of is None else kernel_of()
     if kernel is None:
         return None
-    return kernel.name, kernel.tensors + (NO_TENSOR,) * (3 - len(kernel.tensors)), (*kernel.args, 0)[0]
+    return kernel.name, kernel.tensors + (NO_TENSOR,) * (3 - len(kernel.tensors)), kernel.args[0] if kernel.args else 0
 
 
 def fuse_decode_layers(model: nn.Module) -> None:
