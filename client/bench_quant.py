@@ -8,8 +8,8 @@ each layer's weights its own (as in the model: what one step reads does not sit 
 and int4 CPU kernels (with float32 and with bfloat16 activations), nanoserve's int4 kernel (cpu_ops.cpp's
 int4_linear, where the CPU has AMX and VNNI: ChunkedInt4Weight), nanoserve's AVX2 kernels with activations in
 blocks of 32 (int4_block_linear and int8_block_linear, int16 codes), int8 weights with each activation row
-quantized with its own scale (cpu_ops.cpp's w8a8_linear, VNNI for a few rows and oneDNN's int8 GEMM for more): to
-int8 codes (W8A8) and to int16 codes as two int8 digits (W8A16, nanoserve's int8 path where the CPU has VNNI), and
+quantized with its own scale (cpu_ops.cpp's w8a8_linear, oneDNN's int8 GEMM): to int8 codes (W8A8) and to int16
+codes as two int8 digits (W8A16, nanoserve's int8 path from 9 rows where the CPU has VNNI), and
 oneDNN/fbgemm's dynamic int8 linear (activations quantized per tensor per call: what `torch.ao` reaches of
 oneDNN's int8). The formats alternate, --rounds times; each line is the median step time and its ratio to packed
 float32.
@@ -110,7 +110,8 @@ FORMATS = {
     "int4 weight-only, group 32, fp32 activations": raw_int4_matmul,
     "int4 weight-only, group 32, bf16 activations": int4_matmul,
     "int4, group 32, int4_linear (VNNI up to 4 rows, AMX above)": chunked_int4_matmul,
-    "int4, group 32, int4_block_linear (AVX2; int16 activation blocks of 32)": int4_block_matmul,
+    "int4, group 32, int4_block_linear (AVX2, AVX-512 VNNI from 7 rows; int16 activation blocks of 32)":
+        int4_block_matmul,
     "int8, int8_block_linear (AVX2; int16 activation blocks of 32)": int8_block_matmul,
     "W8A8: int8 activations per row (w8a8_linear, digits=1)": w8a_matmul(1),
     "W8A16: int16 activations per row as two int8 digits (digits=2)": w8a_matmul(2),

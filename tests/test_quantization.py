@@ -29,7 +29,7 @@ from nanoserve.kernels.reference import (BLOCK, BLOCK_TOP, TOP_CODE, deinterleav
                                         quantize_rows_ref, split_digits, unpack_int4_chunks,
                                         unpack_int4_interleaved, w8a8_linear_ref)
 from nanoserve.layers import quantization as quantization_layer
-from nanoserve.layers.quantization import (ACTIVATION_DIGITS, ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
+from nanoserve.layers.quantization import (ChunkedInt4Weight, GroupQuantized, Int4Weight, Int8Weight,
                                            InterleavedInt4Weight, cpu_int4_weight, exact_int8_gemm, int4_kernel_works,
                                            runs_blocks, runs_w8a8)
 from nanoserve.models.gguf import group_quantized
@@ -48,9 +48,9 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-def activation_error(x: torch.Tensor, w8a8: bool, digits: int = ACTIVATION_DIGITS) -> torch.Tensor | None:
-    """How far quantized activations (w8a8_linear) may be from bf16(x): half their row's step, and x's bfloat16
-    rounding."""
+def activation_error(x: torch.Tensor, w8a8: bool, digits: int = 2) -> torch.Tensor | None:
+    """How far activations quantized per row (w8a8_linear; int8_linear's int16 codes: 2 digits) may be from
+    bf16(x): half their row's step, and x's bfloat16 rounding. Blocks of the row have steps no larger."""
     if not w8a8:
         return None
     _, row_scale = quantize_rows_ref(x, digits)
@@ -142,24 +142,37 @@ def w8a8_kernel():
     return kernel
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16, 17, 64])  # VNNI up to 8 code rows, oneDNN above
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16, 17, 64])
 @pytest.mark.parametrize("digits", [1, 2])
 @pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail shorter than one 64-byte vector
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32)])
 def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, digits, inputs, dtype, scale_dtype):
-    """The same integer codes and exact integer sums as w8a8_linear_ref (weight codes of -128 included: VNNI's
-    signed operand)."""
+    """The same integer codes and exact integer sums as w8a8_linear_ref (weight codes of -128 included)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, inputs, dtype=dtype) * torch.rand(rows, 1, dtype=dtype) * 10
     x[0] = 0  # an all-zero row: scale 0, no division by it
     x[-1, :3] = torch.tensor([1e4, -1e4, 1e-3])  # an outlier row: codes of both extremes
-    qweight = torch.randint(-128, 128, (203, inputs), dtype=torch.int8)  # 203: VNNI's blocks of 4 and 3 more
+    qweight = torch.randint(-128, 128, (203, inputs), dtype=torch.int8)
     scales = (torch.rand(203) / 100).to(scale_dtype)
     y = w8a8_kernel(x, qweight, scales, digits)
     assert y.dtype == dtype and y.shape == (rows, 203)
     tolerance = 1e-6 if dtype == torch.float32 else BF16_EPS
     torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales, digits), rtol=tolerance, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])  # up to 8 rows in blocks, more per row
+@pytest.mark.parametrize("inputs", [576, 100])  # 100: not whole blocks, so per row at every count
+def test_int8_linear_runs_blocks_for_few_rows_and_rows_for_more(w8a8_kernel, rows, inputs):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10
+    qweight, scales = torch.randint(-128, 128, (203, inputs), dtype=torch.int8), torch.rand(203) / 100
+    y = cpu_op("int8_linear")(x, qweight, scales)
+    if rows <= 8 and inputs % 32 == 0:
+        terms = x.abs() @ (qweight.float() * scales[:, None]).abs().T
+        assert_within_sum_rounding(y, int8_block_linear_ref(x, qweight, scales), terms)
+    else:
+        torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales, 2), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("digits", [1, 2])
@@ -641,21 +654,22 @@ def assert_within_sum_rounding(y: torch.Tensor, expected: torch.Tensor, terms: t
     assert ((y.float() - expected.float()).abs() <= bound).all(), ((y.float() - expected.float()).abs() / bound).max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 65])  # 6 rows a pass
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 8, 9, 16, 17, 65])  # 6 rows a pass (AVX2), 8 (AVX-512 VNNI)
 @pytest.mark.parametrize("inputs", [576, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_dtype", [torch.float32, torch.float16])
-def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype, group_dtype):
+@pytest.mark.parametrize("channels", [49, 57])  # blocks of 8: 6 and a last one alone, or 7 and a last one in a pair
+def test_int4_block_kernel_equals_its_reference(block_kernels, rows, inputs, dtype, group_dtype, channels):
     x = hard_activations(rows, inputs, dtype)
-    codes = torch.randint(0, 16, (49, inputs), dtype=torch.uint8)  # 49: six blocks of 8 channels and one more
+    codes = torch.randint(0, 16, (channels, inputs), dtype=torch.uint8)
     codes[0] = 15  # the largest code everywhere in one channel
-    scale, offset = torch.rand(49, inputs // 32) / 100, torch.randn(49, inputs // 32) / 10
+    scale, offset = torch.rand(channels, inputs // 32) / 100, torch.randn(channels, inputs // 32) / 10
     packed = pack_int4_interleaved(codes)
     held_scale, held_offset = (interleave_groups(t).to(group_dtype) for t in (scale, offset))
-    y = block_kernels[0](x, packed, held_scale, held_offset, 49)
-    assert y.dtype == dtype and y.shape == (rows, 49)
-    terms = x.float().abs() @ dequantize_int4_interleaved(packed, held_scale, held_offset, 49).abs().T
-    assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, held_scale, held_offset, 49), terms)
+    y = block_kernels[0](x, packed, held_scale, held_offset, channels)
+    assert y.dtype == dtype and y.shape == (rows, channels)
+    terms = x.float().abs() @ dequantize_int4_interleaved(packed, held_scale, held_offset, channels).abs().T
+    assert_within_sum_rounding(y, int4_block_linear_ref(x.float(), packed, held_scale, held_offset, channels), terms)
 
 
 def test_interleaved_groups_are_float16_where_it_holds_them_exactly():

@@ -430,10 +430,10 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 // split into c = 256 hi + lo, hi and lo in [-128, 127], so that int8 GEMMs multiply them (quantize_rows_ref).
 constexpr int kTop2 = 127 * 256 + 127;  // the largest two-digit code whose hi = floor((c + 128) / 256) is <= 127
 
-// One row of x [k] as its digits (hi, and lo where digits == 2), each stored as digit + Offset; returns the row's
-// scale, max |x| / the largest code.
-template <int Offset, typename C, typename T>
-float quantize_row(C* hi, C* lo, const T* x, float* buf, int64_t k, int64_t digits) {
+// One row of x [k] as its digits (hi, and lo where digits == 2); returns the row's scale, max |x| / the largest
+// code.
+template <typename T>
+float quantize_row(int8_t* hi, int8_t* lo, const T* x, float* buf, int64_t k, int64_t digits) {
   const float* xr = as_float(x, buf, k);
   float top = 0.f;
 #pragma omp simd reduction(max : top)
@@ -448,8 +448,8 @@ float quantize_row(C* hi, C* lo, const T* x, float* buf, int64_t k, int64_t digi
     for (int64_t j = 0; j < count; ++j) {
       const int code = static_cast<int>(rounded[j]);
       const int high = digits == 1 ? code : (code + 128) >> 8;  // an arithmetic shift: floor
-      hi[i + j] = static_cast<C>(high + Offset);
-      if (digits == 2) lo[i + j] = static_cast<C>(code - (high << 8) + Offset);
+      hi[i + j] = static_cast<int8_t>(high);
+      if (digits == 2) lo[i + j] = static_cast<int8_t>(code - (high << 8));
     }
   }
   return top / top_code;
@@ -465,106 +465,11 @@ void scale_row(T* out, const int32_t* hi, const int32_t* lo, float row_scale, co
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Few rows: each 64 bytes of a weight row are loaded once and multiplied into every row of x by VNNI's u8 x s8 dot
-// products, so a call reads the weight once, as a matrix-vector product must; oneDNN's int8 GEMM (at::_int_mm)
-// repacks the weight on every call, which only many rows amortize. The unsigned operand is x's codes + 128:
-// sum (c + 128) w = sum c w + 128 sum w. Four output channels go together, so that their sums reduce together.
-constexpr int64_t kVnniMaxRows = 8;  // more: oneDNN's GEMM is faster (client/bench_quant.py)
-constexpr int64_t kChannels = 4;  // output channels per block
-constexpr int64_t kRows = 4;      // rows of x per block (4 x 4 accumulators, 4 weight vectors: 21 of 32 registers)
-
-inline __mmask64 first_bytes(int64_t count) { return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1; }
-
-// [sum of a's lanes, of b's, of c's, of d's]
-inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
-  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-  const __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-  const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
-}
-
-// 128 * the sum of each of the kChannels weight rows from w
-inline __m128i channel_offsets(const int8_t* w, int64_t k) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc[kChannels];
-  for (int64_t c = 0; c < kChannels; ++c) acc[c] = _mm512_setzero_si512();
-  for (int64_t i = 0; i < k; i += 64)
-    for (int64_t c = 0; c < kChannels; ++c)
-      acc[c] = _mm512_dpbusd_epi32(acc[c], ones, _mm512_maskz_loadu_epi8(first_bytes(k - i), w + c * k + i));
-  return _mm_slli_epi32(reduce4(acc[0], acc[1], acc[2], acc[3]), 7);
-}
-
-// sums[r * n + c] = (codes[r] - 128) . w[c] for the R rows of codes and the kChannels weight rows from w
-template <int64_t R>
-void vnni_block(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t k, int64_t n, __m128i offsets) {
-  __m512i acc[R][kChannels];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kChannels; ++c) acc[r][c] = _mm512_setzero_si512();
-  for (int64_t i = 0; i < k; i += 64) {
-    const __mmask64 mask = first_bytes(k - i);
-    __m512i wv[kChannels];
-    for (int64_t c = 0; c < kChannels; ++c) wv[c] = _mm512_maskz_loadu_epi8(mask, w + c * k + i);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_maskz_loadu_epi8(mask, codes + r * k + i);
-      for (int64_t c = 0; c < kChannels; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xv, wv[c]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(sums + r * n),
-                     _mm_sub_epi32(reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), offsets));
-}
-
-// one output channel's sums for every row (the channels after the last whole block)
-void vnni_channel(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t rows, int64_t k, int64_t n) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  __m512i wsum = _mm512_setzero_si512();
-  for (int64_t i = 0; i < k; i += 64)
-    wsum = _mm512_dpbusd_epi32(wsum, ones, _mm512_maskz_loadu_epi8(first_bytes(k - i), w + i));
-  const int32_t offset = 128 * _mm512_reduce_add_epi32(wsum);
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t i = 0; i < k; i += 64) {
-      const __mmask64 mask = first_bytes(k - i);
-      acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(mask, codes + r * k + i),
-                                _mm512_maskz_loadu_epi8(mask, w + i));
-    }
-    sums[r * n] = _mm512_reduce_add_epi32(acc) - offset;
-  }
-}
-
-// sums [rows, n] = (codes - 128) [rows, k] @ w [n, k]^T, for rows <= kVnniMaxRows
-void vnni_int_mm(int32_t* sums, const uint8_t* codes, const int8_t* w, int64_t rows, int64_t k, int64_t n) {
-  const int64_t blocks = n / kChannels;
-  at::parallel_for(0, blocks, 16, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int64_t j = b * kChannels;
-      const __m128i offsets = channel_offsets(w + j * k, k);
-      for (int64_t r = 0; r < rows; r += kRows) {
-        int32_t* out = sums + r * n + j;
-        const uint8_t* x = codes + r * k;
-        switch (std::min(kRows, rows - r)) {
-          case 1: vnni_block<1>(out, x, w + j * k, k, n, offsets); break;
-          case 2: vnni_block<2>(out, x, w + j * k, k, n, offsets); break;
-          case 3: vnni_block<3>(out, x, w + j * k, k, n, offsets); break;
-          default: vnni_block<4>(out, x, w + j * k, k, n, offsets);
-        }
-      }
-    }
-  });
-  for (int64_t j = blocks * kChannels; j < n; ++j) vnni_channel(sums + j, codes, w + j * k, rows, k, n);
-}
-#else
-constexpr int64_t kVnniMaxRows = 0;  // built without VNNI: oneDNN's GEMM for every row count
-void vnni_int_mm(int32_t*, const uint8_t*, const int8_t*, int64_t, int64_t, int64_t) {}
-#endif
-
 // w8a8_linear_ref: each row of x [T, K] quantized with its own scale to `digits` int8 digits (1: int8, 2: int16
-// as two int8 halves), int8 x int8 -> int32 matmuls of the digits against qweight [N, K] (VNNI for a few rows,
-// oneDNN's GEMM through at::_int_mm for more: both read the plain weight), then y = the code's sums * row scale *
-// scales [N] (float32 or bfloat16), in x's dtype. Exact only where oneDNN has VNNI too: without it, its GEMM
-// saturates (layers/quantization.py's exact_int8_gemm gates the callers).
+// as two int8 halves), int8 x int8 -> int32 matmuls of the digits against qweight [N, K] by oneDNN's GEMM (through
+// at::_int_mm, which reads the plain weight), then y = the code's sums * row scale * scales [N] (float32 or
+// bfloat16), in x's dtype. Exact only where oneDNN has VNNI: without it, its GEMM saturates
+// (layers/quantization.py's exact_int8_gemm gates the callers).
 at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, const at::Tensor& scales_in,
                        int64_t digits) {
   TORCH_CHECK(x_in.dim() == 2 && qweight_in.dim() == 2 && qweight_in.scalar_type() == at::kChar &&
@@ -574,26 +479,15 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& qweight_in, con
   TORCH_CHECK(digits == 1 || digits == 2, "digits: 1 or 2");
   const auto x = x_in.contiguous(), qweight = qweight_in.contiguous(), scales = scales_in.contiguous();
   const int64_t rows = x.size(0), k = x.size(1), n = qweight.size(0), code_rows = digits * rows;
-  const bool few = code_rows <= kVnniMaxRows;
-  auto codes = at::empty({code_rows, k}, x.options().dtype(few ? at::kByte : at::kChar));
+  auto codes = at::empty({code_rows, k}, x.options().dtype(at::kChar));
   std::vector<float> row_scale(rows), buf(k);
   DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* xr = x.data_ptr<scalar_t>() + r * k;
-      const int64_t hi = r * k, lo = (rows + r) * k;
-      row_scale[r] = few ? quantize_row<128>(codes.data_ptr<uint8_t>() + hi, codes.data_ptr<uint8_t>() + lo, xr,
-                                             buf.data(), k, digits)
-                         : quantize_row<0>(codes.data_ptr<int8_t>() + hi, codes.data_ptr<int8_t>() + lo, xr,
-                                           buf.data(), k, digits);
-    }
+    int8_t* c = codes.data_ptr<int8_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      row_scale[r] = quantize_row(c + r * k, c + (rows + r) * k, x.data_ptr<scalar_t>() + r * k, buf.data(), k,
+                                  digits);
   });
-  at::Tensor sums;
-  if (few) {
-    sums = at::empty({code_rows, n}, x.options().dtype(at::kInt));
-    vnni_int_mm(sums.data_ptr<int32_t>(), codes.data_ptr<uint8_t>(), qweight.data_ptr<int8_t>(), code_rows, k, n);
-  } else {
-    sums = at::_int_mm(codes, qweight.t());
-  }
+  const at::Tensor sums = at::_int_mm(codes, qweight.t());
   auto out = at::empty({rows, n}, x.options());
   DISPATCH_FLOATS(x.scalar_type(), "w8a8_linear", [&] {
     for (int64_t r = 0; r < rows; ++r) {
@@ -795,7 +689,7 @@ at::Tensor int4_linear_vnni(const at::Tensor& x, const at::Tensor& packed, const
   std::vector<float> row_scale(rows), buf(k);
   DISPATCH_FLOATS(x.scalar_type(), "int4_linear", [&] {
     for (int64_t r = 0; r < rows; ++r) {
-      row_scale[r] = quantize_row<0>(hi + r * k, lo + r * k, x.data_ptr<scalar_t>() + r * k, buf.data(), k, 2);
+      row_scale[r] = quantize_row(hi + r * k, lo + r * k, x.data_ptr<scalar_t>() + r * k, buf.data(), k, 2);
       for (int64_t g = 0; g < groups; ++g) {
         int32_t sum = 0;
         for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) sum += 256 * hi[r * k + i] + lo[r * k + i];
@@ -960,6 +854,74 @@ void int4_block_rows(float* out, int64_t n, const int16_t* codes, const float* d
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// AVX-512 VNNI: int4_block_rows over two channel blocks at once, b in the low half of each register and b + 1 in the
+// high half, so that each broadcast pair of x serves 16 channels, and VNNI's dpwssd adds the pair products into the
+// sums. The same layout and the same sums in the same order as int4_block_rows, so the results are equal. On Zen 4
+// it is faster from 7 rows (about 1.2x at 16, 1.3x at 64) and slower below, where reading two blocks' streams at
+// once costs more than the instructions saved.
+constexpr int64_t kInt4WideRows = 8;     // rows per pass over a block pair (client/bench_quant.py)
+constexpr int64_t kInt4WideMinRows = 7;  // fewer: int4_block_rows, one block at a time, is as fast or faster
+
+inline __m512 load_group_pair(const float* low, const float* high) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(low)), _mm256_loadu_ps(high), 1);
+}
+inline __m512 load_group_pair(const c10::Half* low, const c10::Half* high) {
+  return _mm512_cvtph_ps(_mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(high),
+                                             reinterpret_cast<const __m128i*>(low)));
+}
+
+template <int64_t R, typename S>
+void int4_block_pair_rows(float* out, int64_t n, const int16_t* codes, const float* d, const float* sums,
+                          const uint8_t* packed, const S* scale, const S* offset, int64_t k, int64_t b) {
+  const int64_t groups = k / kBlock, block_bytes = groups * kBlock * kInterleave / 2;
+  const uint8_t* w = packed + b * block_bytes;
+  const S *sc = scale + b * groups * kInterleave, *of = offset + b * groups * kInterleave;
+  const int64_t next = groups * kInterleave;  // block b + 1's scales and offsets
+  __m512 acc[R];
+  for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  constexpr int64_t chains = R >= 4 ? 2 : 8 / R;  // sums per row: for few rows dpwssd's latency binds, not its rate
+  for (int64_t g = 0; g < groups; ++g, w += kBlock * kInterleave / 2) {
+    __m512i partial[R][chains];
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < chains; ++c) partial[r][c] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kBlock / 4; ++j) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu2_m128i(
+          reinterpret_cast<const __m128i*>(w + block_bytes + 16 * j), reinterpret_cast<const __m128i*>(w + 16 * j)));
+      const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0F)), high = _mm512_srli_epi16(bytes, 4);
+      const int64_t c = (2 * j) % chains;
+      for (int64_t r = 0; r < R; ++r) {
+        const int16_t* x = codes + r * k + g * kBlock + 2 * j;
+        int32_t pair, pair16;
+        std::memcpy(&pair, x, sizeof pair), std::memcpy(&pair16, x + 16, sizeof pair16);
+        partial[r][c] = _mm512_dpwssd_epi32(partial[r][c], low, _mm512_set1_epi32(pair));
+        partial[r][c + 1] = _mm512_dpwssd_epi32(partial[r][c + 1], high, _mm512_set1_epi32(pair16));
+      }
+    }
+    __m512i exact[R];
+    for (int64_t r = 0; r < R; ++r) {
+      exact[r] = partial[r][0];
+      for (int64_t c = 1; c < chains; ++c) exact[r] = _mm512_add_epi32(exact[r], partial[r][c]);
+    }
+    const S *scale_g = sc + g * kInterleave, *offset_g = of + g * kInterleave;
+    const __m512 group_scale = load_group_pair(scale_g, scale_g + next);
+    const __m512 group_offset = load_group_pair(offset_g, offset_g + next);
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512 both_scales = _mm512_mul_ps(group_scale, _mm512_set1_ps(d[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), both_scales, acc[r]);
+      acc[r] = _mm512_fmadd_ps(group_offset, _mm512_set1_ps(sums[r * groups + g]), acc[r]);
+    }
+  }
+  const int64_t first = b * kInterleave, count = std::min(2 * kInterleave, n - first);
+  for (int64_t r = 0; r < R; ++r) {
+    alignas(64) float lanes[2 * kInterleave];
+    _mm512_store_ps(lanes, acc[r]);
+    std::copy(lanes, lanes + count, out + r * n + first);
+  }
+}
+#define NANOSERVE_INT4_WIDE 1
+#endif
+
 // out[r * n + c] = scales[c] * sum over groups of d[r, g] * (w . codes), for R rows of int16 block codes (with their
 // d) and the channels c in [first, last)
 template <int64_t R, typename S>
@@ -1024,12 +986,29 @@ at::Tensor int4_block_linear(const at::Tensor& x_in, const at::Tensor& packed_in
   const int16_t* codes = b.codes.data_ptr<int16_t>();
   const float *d = b.scales.data_ptr<float>(), *sums = b.sums.data_ptr<float>();
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const auto run = [&](const auto* sc, const auto* of) {
+  const auto run_narrow = [&](const auto* sc, const auto* of) {
     for_tiles<kInt4BlockRows>(rows, blocks, kInterleave * k, [&](auto R, int64_t r, int64_t block) {
       int4_block_rows<decltype(R)::value>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of,
                                           k, block);
     });
   };
+#ifdef NANOSERVE_INT4_WIDE
+  // tiles of two blocks, an odd last block alone; fewer rows read the weights faster one block at a time
+  const auto run = [&](const auto* sc, const auto* of) {
+    if (rows < kInt4WideMinRows) return run_narrow(sc, of);
+    for_tiles<kInt4WideRows>(rows, (blocks + 1) / 2, 2 * kInterleave * k, [&](auto R, int64_t r, int64_t pair) {
+      constexpr int64_t rows_now = decltype(R)::value;
+      const int64_t block = 2 * pair;
+      if (block + 1 < blocks)
+        int4_block_pair_rows<rows_now>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of, k,
+                                       block);
+      else
+        int4_block_rows<rows_now>(o + r * n, n, codes + r * k, d + r * groups, sums + r * groups, w, sc, of, k, block);
+    });
+  };
+#else
+  const auto& run = run_narrow;
+#endif
   if (scale.scalar_type() == at::kFloat)
     run(scale.data_ptr<float>(), offset.data_ptr<float>());
   else
@@ -1066,26 +1045,36 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
     run(scales.data_ptr<c10::BFloat16>());
   return out.to(x_in.scalar_type());
 }
+
+// int8 weights where the CPU has VNNI (layers/quantization.py's runs_w8a8): up to kInt8BlockMaxRows rows by
+// int8_block_linear, which streams the weight 2-3x as fast as a VNNI matrix-vector kernel did on Zen 4; more by
+// w8a8_linear's int16 codes per row and oneDNN's int8 GEMM (client/bench_quant.py).
+constexpr int64_t kInt8BlockMaxRows = 8;
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
+  return x.dim() == 2 && x.size(0) <= kInt8BlockMaxRows && x.size(1) % kBlock == 0
+             ? int8_block_linear(x, qweight, scales) : w8a8_linear(x, qweight, scales, 2);
+}
 #define NANOSERVE_BLOCK_LINEAR 1
 #endif
 
 // One decoder layer of a step in which every row decodes (one query token, a valid slot): what
 // models/llama.py's LlamaDecoderLayer computes with the kernels above, in one call instead of a dozen ops and the
 // Python between them (layers/decode_layer.py). Its four linear layers (qkv, o, gate_up, down) are quantized, each
-// named by a LinearKernel, its three tensors and an int (out_features, digits, or unused), with an optional bias;
+// named by a LinearKernel, its three tensors and an int (out_features, or unused), with an optional bias;
 // norms: the input and post-attention RMSNorms' weights, then (Qwen3) those of q and k per head.
-enum LinearKernel : int64_t { kInt4BlockLinear = 0, kInt8BlockLinear = 1, kInt4Linear = 2, kW8a8Linear = 3 };
+enum LinearKernel : int64_t { kInt4BlockLinear = 0, kInt8BlockLinear = 1, kInt4Linear = 2, kInt8Linear = 3 };
 
 at::Tensor quantized_linear(const at::Tensor& x, int64_t kernel, const at::Tensor* w, int64_t param) {
   switch (kernel) {
 #ifdef NANOSERVE_BLOCK_LINEAR
     case kInt4BlockLinear: return int4_block_linear(x, w[0], w[1], w[2], param);
     case kInt8BlockLinear: return int8_block_linear(x, w[0], w[1]);
+    case kInt8Linear: return int8_linear(x, w[0], w[1]);
 #endif
 #ifdef NANOSERVE_INT4_LINEAR
     case kInt4Linear: return int4_linear(x, w[0], w[1], w[2]);
 #endif
-    case kW8a8Linear: return w8a8_linear(x, w[0], w[1], param);
     default: TORCH_CHECK(false, "decode_layer: linear kernel ", kernel, " is not built for this CPU");
   }
 }
@@ -1147,6 +1136,7 @@ TORCH_LIBRARY(nanoserve_cpu, m) {
   m.def("int4_block_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int out_features) -> Tensor",
         &int4_block_linear);
   m.def("int8_block_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_block_linear);
+  m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor", &int8_linear);
 #endif
 #ifdef NANOSERVE_INT4_LINEAR
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset) -> Tensor", &int4_linear);

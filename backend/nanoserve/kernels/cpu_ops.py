@@ -55,8 +55,8 @@ def cpu_isa(cpu_flags: set[str] | None = None, capped: bool = True) -> str:
 
 
 def int8_dot_products() -> bool:
-    """Whether the kernels are built with AVX-512 VNNI's int8 dot products (cpu_ops.cpp's w8a8_linear reads few
-    rows with them): this CPU has them and ATEN_CPU_CAPABILITY does not cap the build below AVX-512."""
+    """Whether this CPU has AVX-512 VNNI's int8 dot products (which oneDNN's int8 GEMM needs to sum exactly, for
+    cpu_ops.cpp's w8a8_linear) and ATEN_CPU_CAPABILITY does not cap the build below AVX-512."""
     return cpu_isa() == "avx512" and "avx512_vnni" in _cpu_flags()
 
 

@@ -21,7 +21,7 @@ from nanoserve.layers.attention import Attention
 from nanoserve.layers.linear import LinearBase
 from nanoserve.layers.norm import RMSNorm
 
-LINEAR_KERNELS = ("int4_block_linear", "int8_block_linear", "int4_linear", "w8a8_linear")  # cpu_ops.cpp's order
+LINEAR_KERNELS = ("int4_block_linear", "int8_block_linear", "int4_linear", "int8_linear")  # cpu_ops.cpp's order
 NO_TENSOR = torch.empty(0)
 
 

@@ -1,17 +1,17 @@
 """Quantized weights for the linear layers. On the CPU (client/bench_quant.py measured the kernels against oneDNN's
 packed float32 and bfloat16; docs/benchmarks.md):
 
-- int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the CPU has int8 dot products
-  (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products), the activations are quantized too, each row (token) with its
-  own scale, and cpu_ops.cpp's w8a8_linear multiplies integer codes (VNNI for a few rows, oneDNN's int8 GEMM for
-  more). The codes are int16 (ACTIVATION_DIGITS = 2), each the two int8 digits of c = 256 hi + lo, so one int8
-  GEMM of twice the rows computes them: with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a
-  row's max |x| up to 20,000 times its median) cost most of the greedy agreement with float weights (2/10 prompts
-  against 4/10 for weight-only int8), with int16 ones none of it. Elsewhere, where the kernels are built for AVX2,
-  cpu_ops.cpp's int8_block_linear (`runs_blocks`): activations in int16 blocks, as llama.cpp's Q8_0 blocks but
-  with int16 codes (each group of BLOCK inputs of a row with its own scale, so an outlier coarsens only its own
-  group), AVX2's int16 products summed exactly per group. Last, weight-only: `aten._weight_int8pack_mm`, which
-  needs in_features a multiple of INT8_INPUTS_MULTIPLE.
+- int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the kernels are built for AVX2,
+  cpu_ops.cpp's int8_block_linear: activations in int16 blocks, as llama.cpp's Q8_0 blocks but with int16 codes
+  (each group of BLOCK inputs of a row with its own scale, so an outlier coarsens only its own group), AVX2's
+  int16 products summed exactly per group. Where the CPU also
+  has int8 dot products (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products; `runs_w8a8`), cpu_ops.cpp's int8_linear
+  runs that for a few rows of a step and, for more, quantizes each row (token) with its own scale to int16 codes,
+  each the two int8 digits of c = 256 hi + lo, so that one oneDNN int8 GEMM of twice the rows computes them
+  (w8a8_linear): with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a row's max |x| up to 20,000
+  times its median) cost most of the greedy agreement with float weights (2/10 prompts against 4/10 for
+  weight-only int8), with int16 ones none of it. Last, weight-only: `aten._weight_int8pack_mm`, which needs
+  in_features a multiple of INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
   Where the CPU has AMX and VNNI, cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4 rows VNNI dot
   products of the codes with int16 activation codes, for more AMX tile products of the weight dequantized to
@@ -19,7 +19,8 @@ packed float32 and bfloat16; docs/benchmarks.md):
   (InterleavedInt4Weight: 8 output channels interleaved, so that AVX2's int16 pair products land in one lane per
   channel): the codes times activations in int16 blocks of BLOCK inputs (llama.cpp's Q4 x Q8 dot products with
   int16 codes: int8 ones tripled SmolLM2's logprob error), each group's integer sum scaled by both groups' scales,
-  the offsets' part from each group's exact sum of x.
+  the offsets' part from each group's exact sum of x. Built with AVX-512 VNNI, from 7 rows a step it multiplies two
+  blocks of 8 channels at once (one 512-bit register, VNNI's fused pair products) on the same layout.
   Elsewhere `aten._weight_int4pack_mm_for_cpu` (Int4Weight), whose layout holds (scale, offset + 8 * scale): it
   computes (q - 8) * s + z, and reads and dequantizes the weight again for each row of the activations (it falls
   behind float32 from ~16 rows). An int8 copy for many rows (requantized per output channel) is not kept: it costs
@@ -58,7 +59,6 @@ QUANTIZED_PARTS = ("codes", "scale", "offset")  # a GroupQuantized weight's tens
 GROUP_SIZE = 32  # inputs per int4 group: llama.cpp's block size, and a divisor of every hidden size we serve
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel's layout packs 16 output rows together
 INT8_INPUTS_MULTIPLE = 16  # aten._weight_int8pack_mm crashes (SIGSEGV) on other in_features
-ACTIVATION_DIGITS = 2  # int8 digits per activation code: int16 codes (int8 ones lose too much on real models)
 KERNEL_DTYPE = torch.bfloat16
 TINY = torch.finfo(KERNEL_DTYPE).tiny
 
@@ -108,9 +108,10 @@ class GroupQuantized:
 
 
 def runs_w8a8(weight: torch.Tensor) -> bool:
-    """Whether an int8 weight on this device computes with quantized activations (w8a8_linear): on a CPU with
-    int8 dot products whose int8 GEMM is exact, where the C++ kernels are built."""
-    return weight.is_cpu and int8_dot_products() and exact_int8_gemm() and cpu_op("w8a8_linear") is not None
+    """Whether an int8 weight on this device computes with quantized activations by cpu_ops.cpp's int8_linear
+    (activations in int16 blocks for a few rows, per row through w8a8_linear for more): on a CPU with int8 dot
+    products whose int8 GEMM is exact, where the C++ kernels are built."""
+    return weight.is_cpu and int8_dot_products() and exact_int8_gemm() and cpu_op("int8_linear") is not None
 
 
 @functools.cache
@@ -172,7 +173,7 @@ class Int8Weight:
         if runs_triton(self.qweight):
             return None
         if self.w8a8:
-            return CpuKernel("w8a8_linear", (self.qweight, self.scales), (ACTIVATION_DIGITS,))
+            return CpuKernel("int8_linear", (self.qweight, self.scales))
         return CpuKernel("int8_block_linear", (self.qweight, self.scales)) if self.blocks else None
 
     def to(self, device: torch.device) -> Int8Weight:
@@ -284,10 +285,10 @@ class ChunkedInt4Weight(GroupPackedInt4):
 
 
 class InterleavedInt4Weight(GroupPackedInt4):
-    """For cpu_ops.cpp's int4_block_linear (AVX2): codes in blocks of 8 channels (reference.pack_int4_interleaved),
-    the groups' scales and offsets interleaved alike (interleave_groups), in float16 where it holds them all exactly
-    (a GGUF file's Q4_0 and Q4_1 scales and mins are float16): at one row the kernel's time is reading the weight,
-    and float32 ones are a third of its bytes."""
+    """For cpu_ops.cpp's int4_block_linear (AVX2, and AVX-512 VNNI without AMX): codes in blocks of 8 channels
+    (reference.pack_int4_interleaved), the groups' scales and offsets interleaved alike (interleave_groups), in
+    float16 where it holds them all exactly (a GGUF file's Q4_0 and Q4_1 scales and mins are float16): at one row
+    the kernel's time is reading the weight, and float32 ones are a third of its bytes."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, out_features: int):
         super().__init__(packed, scale, offset)
