@@ -814,6 +814,17 @@ inline __m256 load_group(const c10::Half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
 
+// The hardware prefetchers alone kept a one-row pass over the weights at about half the rate it reached from cache
+// (Zen 4): asking for the lines 16 groups ahead made a one-row step's int4 matmuls 20-25% faster (1.5 and 3 KB
+// ahead were no better, 4 KB was slower).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// one group's 128 bytes of a block (kBlock * kInterleave / 2), into L1
+inline void prefetch_group(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 64), _MM_HINT_T0);
+}
+
 // out[r * n + 8 b + c] for the 8 channels c of channel block b and R rows of int16 block codes (with their d and
 // sums): over groups g, scale[b, g, c] * d[r, g] * (q . codes) + offset[b, g, c] * sums[r, g]. In
 // pack_int4_interleaved's layout each 16 bytes hold two input pairs of all 8 channels (one madd's worth), so that
@@ -828,6 +839,7 @@ void int4_block_rows(float* out, int64_t n, const int16_t* codes, const float* d
   __m256 acc[R];
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g, w += kBlock * kInterleave / 2) {
+    prefetch_group(w + kPrefetchBytes);
     __m256i exact[R];
     for (int64_t r = 0; r < R; ++r) exact[r] = _mm256_setzero_si256();
     for (int64_t j = 0; j < kBlock / 4; ++j) {  // the pairs 2j, 2j + 1 (low nibbles) and 16 + 2j, 17 + 2j (high)
@@ -882,6 +894,7 @@ void int4_block_pair_rows(float* out, int64_t n, const int16_t* codes, const flo
   for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   constexpr int64_t chains = R >= 4 ? 2 : 8 / R;  // sums per row: for few rows dpwssd's latency binds, not its rate
   for (int64_t g = 0; g < groups; ++g, w += kBlock * kInterleave / 2) {
+    prefetch_group(w + kPrefetchBytes), prefetch_group(w + block_bytes + kPrefetchBytes);
     __m512i partial[R][chains];
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < chains; ++c) partial[r][c] = _mm512_setzero_si512();
