@@ -144,7 +144,7 @@ def w8a8_kernel():
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 16, 17, 64])
 @pytest.mark.parametrize("digits", [1, 2])
-@pytest.mark.parametrize("inputs", [576, 100])  # 100: a tail shorter than one 64-byte vector
+@pytest.mark.parametrize("inputs", [576, 100])  # 100: not a multiple of 32 or 64
 @pytest.mark.parametrize("dtype, scale_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32)])
 def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, digits, inputs, dtype, scale_dtype):
@@ -161,14 +161,17 @@ def test_w8a8_kernel_equals_its_reference(w8a8_kernel, rows, digits, inputs, dty
     torch.testing.assert_close(y, w8a8_linear_ref(x, qweight, scales, digits), rtol=tolerance, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 16])  # up to 8 rows in blocks, more per row
+INT8_BLOCK_MAX_ROWS = 8  # cpu_ops.cpp's kInt8BlockMaxRows
+
+
+@pytest.mark.parametrize("rows", [1, 5, INT8_BLOCK_MAX_ROWS, INT8_BLOCK_MAX_ROWS + 1, 16])
 @pytest.mark.parametrize("inputs", [576, 100])  # 100: not whole blocks, so per row at every count
 def test_int8_linear_runs_blocks_for_few_rows_and_rows_for_more(w8a8_kernel, rows, inputs):
     torch.manual_seed(rows)
     x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10
     qweight, scales = torch.randint(-128, 128, (203, inputs), dtype=torch.int8), torch.rand(203) / 100
     y = cpu_op("int8_linear")(x, qweight, scales)
-    if rows <= 8 and inputs % 32 == 0:
+    if rows <= INT8_BLOCK_MAX_ROWS and inputs % BLOCK == 0:
         terms = x.abs() @ (qweight.float() * scales[:, None]).abs().T
         assert_within_sum_rounding(y, int8_block_linear_ref(x, qweight, scales), terms)
     else:

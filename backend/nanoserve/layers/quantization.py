@@ -4,14 +4,14 @@ packed float32 and bfloat16; docs/benchmarks.md):
 - int8: one scale per output channel, w = q * scale (q in [-127, 127]). Where the kernels are built for AVX2,
   cpu_ops.cpp's int8_block_linear: activations in int16 blocks, as llama.cpp's Q8_0 blocks but with int16 codes
   (each group of BLOCK inputs of a row with its own scale, so an outlier coarsens only its own group), AVX2's
-  int16 products summed exactly per group. Where the CPU also
-  has int8 dot products (AVX-512 VNNI: kernels/cpu_ops.int8_dot_products; `runs_w8a8`), cpu_ops.cpp's int8_linear
-  runs that for a few rows of a step and, for more, quantizes each row (token) with its own scale to int16 codes,
-  each the two int8 digits of c = 256 hi + lo, so that one oneDNN int8 GEMM of twice the rows computes them
-  (w8a8_linear): with int8 codes (W8A8 as vLLM runs it) SmolLM2's outlier channels (a row's max |x| up to 20,000
-  times its median) cost most of the greedy agreement with float weights (2/10 prompts against 4/10 for
-  weight-only int8), with int16 ones none of it. Last, weight-only: `aten._weight_int8pack_mm`, which needs
-  in_features a multiple of INT8_INPUTS_MULTIPLE.
+  int16 products summed exactly per group. Where the CPU also has int8 dot products (AVX-512 VNNI:
+  kernels/cpu_ops.int8_dot_products; `runs_w8a8`), cpu_ops.cpp's int8_linear runs that for a few rows of a step
+  and, for more, quantizes each row (token) with its own scale to int16 codes, each the two int8 digits of
+  c = 256 hi + lo, so that one oneDNN int8 GEMM of twice the rows computes them (w8a8_linear): with int8 codes
+  (W8A8 as vLLM runs it) SmolLM2's outlier channels (a row's max |x| up to 20,000 times its median) cost most of
+  the greedy agreement with float weights (2/10 prompts against 4/10 for weight-only int8), with int16 ones none
+  of it. Last, weight-only: `aten._weight_int8pack_mm`, which needs in_features a multiple of
+  INT8_INPUTS_MULTIPLE.
 - int4: a scale and an offset per group of GROUP_SIZE inputs of a row, w = q * scale + offset (q in [0, 15]).
   Where the CPU has AMX and VNNI, cpu_ops.cpp's int4_linear (ChunkedInt4Weight): for up to 4 rows VNNI dot
   products of the codes with int16 activation codes, for more AMX tile products of the weight dequantized to
