@@ -1060,8 +1060,8 @@ at::Tensor int8_block_linear(const at::Tensor& x_in, const at::Tensor& qweight_i
 }
 
 // int8 weights where the CPU has VNNI (layers/quantization.py's runs_w8a8): up to kInt8BlockMaxRows rows by
-// int8_block_linear, which streams the weight 2-3x as fast as a VNNI matrix-vector kernel did on Zen 4; more by
-// w8a8_linear's int16 codes per row and oneDNN's int8 GEMM (client/bench_quant.py).
+// int8_block_linear, which streams the weight about 3x as fast as a VNNI matrix-vector kernel did on Zen 4; more
+// by w8a8_linear's int16 codes per row and oneDNN's int8 GEMM (client/bench_quant.py).
 constexpr int64_t kInt8BlockMaxRows = 8;
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
