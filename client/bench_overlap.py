@@ -3,9 +3,11 @@ engine runs): the same streamed workload, alternating, on the simulated device, 
 overlapping moves beside the device's step shows. Prints each run's share of the device-bound rate and the
 median ratio overlapped / step by step. With --compare async: an engine with async_scheduling (each step
 scheduled and prepared while the one before it runs) against one without it, both stepped with overlap=True.
+With --simulated-device-ms 0 the model's own forward runs on the CPU, and each run's output tok/s is printed.
 
     OMP_NUM_THREADS=1 python client/bench_overlap.py --simulated-device-ms 2 --rounds 3
     OMP_NUM_THREADS=1 python client/bench_overlap.py --compare async --simulated-device-ms 8 --rounds 4
+    OMP_NUM_THREADS=1 python client/bench_overlap.py --compare async --simulated-device-ms 0 --model FILE.gguf
 """
 from __future__ import annotations
 
@@ -50,28 +52,31 @@ def main(argv=None) -> None:
     parser.add_argument("--compare", choices=("overlap", "async"), default="overlap",
                         help="overlap: step(overlap=True) against step(); async: async_scheduling on against off")
     args = parser.parse_args(argv)
-    os.environ[ENV_STEP_MS] = str(args.simulated_device_ms)
+    if args.simulated_device_ms > 0:
+        os.environ[ENV_STEP_MS] = str(args.simulated_device_ms)
     from nanoserve.engine.llm_engine import LLMEngine
     from nanoserve.serving.serve.launcher import tiny_model
 
     model, names = args.model or str(tiny_model()), NAMES[args.compare]
     engine_args = dict(device="cpu", cpu_kvcache_space_gib=0.5)
-    engines = {False: LLMEngine.from_engine_args(model, **engine_args)}
+    engines = {False: LLMEngine.from_engine_args(model, **engine_args, async_scheduling=False)}
     engines[True] = engines[False] if args.compare == "overlap" else \
         LLMEngine.from_engine_args(model, **engine_args, async_scheduling=True)
-    device_bound = args.rows * 1000 / args.simulated_device_ms
+    # shares of the device-bound rate, or with the model's forward tok/s
+    unit, bound = (("of the device-bound rate", args.rows * 1000 / args.simulated_device_ms)
+                   if args.simulated_device_ms > 0 else ("tok/s", 1.0))
     shares = {False: [], True: []}
     for round_ in range(args.rounds):
         for on in ((False, True) if round_ % 2 == 0 else (True, False)):
             overlap = on or args.compare == "async"
             seconds = run(engines[on], overlap, args.rows, args.input_len, args.output_len, f"{round_}-{on}")
-            shares[on].append(args.rows * args.output_len / seconds / device_bound)
-            print(f"round {round_} {names[on]}: {shares[on][-1]:.3f} of the device-bound rate", flush=True)
+            shares[on].append(args.rows * args.output_len / seconds / bound)
+            print(f"round {round_} {names[on]}: {shares[on][-1]:.3f} {unit}", flush=True)
     for engine in set(engines.values()):
         engine.shutdown()
     for on in (False, True):
         print(f"{names[on]}: median {statistics.median(shares[on]):.3f} ({min(shares[on]):.3f}-{max(shares[on]):.3f})"
-              " of the device-bound rate")
+              f" {unit}")
     ratios = [on / off for on, off in zip(shares[True], shares[False])]
     print(f"{names[True]} / {names[False]}: median {statistics.median(ratios):.3f} "
           f"(rounds: {', '.join(f'{r:.3f}' for r in ratios)}); load average {os.getloadavg()[0]:.2f}")

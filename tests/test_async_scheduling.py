@@ -182,10 +182,24 @@ def test_async_on_the_simulated_device_gives_each_step_the_tokens_before_it(qwen
 def test_async_scheduling_refuses_what_it_cannot_run(qwen3_dir):
     with pytest.raises(ValueError, match="^async_scheduling: not with speculative decoding"):
         engine_config(qwen3_dir, async_scheduling=True, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="^async_scheduling: runs on one device"):
+        engine_config(qwen3_dir, async_scheduling=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="^async_scheduling: expected a boolean"):
         engine_config(qwen3_dir, async_scheduling="maybe")
     assert engine_config(qwen3_dir, async_scheduling="true").async_scheduling is True
-    assert engine_config(qwen3_dir).async_scheduling is False
+    assert engine_config(qwen3_dir, async_scheduling="off").async_scheduling is False
+
+
+def test_async_scheduling_is_on_by_default_where_a_device_computes_apart_from_the_host(qwen3_dir, monkeypatch):
+    """On cuda and the simulated device, but off (not an error) with speculative decoding or tensor parallelism;
+    off on cpu, where the forward is the host's own work."""
+    monkeypatch.delenv(ENV_STEP_MS, raising=False)
+    assert engine_config(qwen3_dir, device="cpu").async_scheduling is False
+    assert engine_config(qwen3_dir, device="cuda", async_scheduling="none").async_scheduling is True
+    monkeypatch.setenv(ENV_STEP_MS, "2")
+    assert engine_config(qwen3_dir, device="cpu").async_scheduling is True
+    for not_one_device in ({"speculative_config": {"method": "ngram"}}, {"tensor_parallel_size": 2}):
+        assert engine_config(qwen3_dir, device="cpu", **not_one_device).async_scheduling is False
 
 
 # ---- the scheduler's placeholder accounting, against the synchronous scheduler ----

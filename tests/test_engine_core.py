@@ -237,8 +237,8 @@ def step_outputs(engine, overlap: bool, abort_after: int) -> dict:
 @pytest.mark.parametrize("abort_after", [1, 5])
 def test_overlapped_outputs_are_the_step_by_step_ones(config, abort_after):
     """The engine thread's steps make a stream's output while the next step runs: every request still gets the
-    same outputs in the same order, an abort's included."""
-    engine = LLMEngine(config)
+    same outputs in the same order, an abort's included (overlap is synchronous scheduling's)."""
+    engine = LLMEngine(dataclasses.replace(config, async_scheduling=False))
     try:
         assert step_outputs(engine, True, abort_after) == step_outputs(engine, False, abort_after)
         assert not engine.output_processor.deferred and engine.stats()["num_running"] == 0

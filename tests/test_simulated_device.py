@@ -18,7 +18,8 @@ def simulated_llm(make_llm, qwen3_dir, monkeypatch, wait: str, **engine_args):
 def test_every_step_takes_the_device_time_and_every_request_its_tokens(make_llm, qwen3_dir, monkeypatch, wait):
     from nanoserve import SamplingParams
 
-    engine = simulated_llm(make_llm, qwen3_dir, monkeypatch, wait, max_num_seqs=4).engine
+    # synchronous scheduling: each step() waits for its own device time (async: for the step before's)
+    engine = simulated_llm(make_llm, qwen3_dir, monkeypatch, wait, max_num_seqs=4, async_scheduling=False).engine
     assert engine.executor.runner.simulated.wait == wait
     params = SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.0)
     prompts = ["The quick brown fox", "jumps over", "the lazy dog", "and runs", "far away"]  # 5 > max_num_seqs

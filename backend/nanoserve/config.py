@@ -18,6 +18,7 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash_attn")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # models/quantize.py
 MAX_LORA_RANK = 512  # vLLM's largest max_lora_rank
+SIMULATED_DEVICE_ENV = "NANOSERVE_SIMULATED_DEVICE_MS"  # engine/simulated_device.py: a device apart from the host
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16,
           "float": torch.float32}
@@ -71,9 +72,11 @@ class EngineConfig:
                                                  '"disable_by_batch_size": N}, or with a draft model '
                                                  '{"model": DIR_OR_GGUF, "num_speculative_tokens": K} '
                                                  "(default: off)")
-    async_scheduling: bool = _arg(False, "schedule and prepare each engine step while the step before it runs on "
-                                         "the device (vLLM's async scheduling); not with speculative_config or "
-                                         "tensor_parallel_size > 1")
+    async_scheduling: bool | None = _arg(None, "schedule and prepare each engine step while the step before it "
+                                                "runs on the device (vLLM's async scheduling); not with "
+                                                "speculative_config or tensor_parallel_size > 1 (default: on "
+                                                "cuda and the simulated device, unless one of them is set; off "
+                                                "on cpu, where the forward is host work too)")
     hf_config: object = field(default=None, repr=False)  # filled from config.json
 
     def __post_init__(self):
@@ -127,6 +130,9 @@ class EngineConfig:
             raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
 
     def _check_async_scheduling(self):
+        if self.async_scheduling is None:  # on where a device computes apart from the host and it can run there
+            apart = self.device_type == "cuda" or bool(os.environ.get(SIMULATED_DEVICE_ENV, "").strip())
+            self.async_scheduling = apart and self.speculative_config is None and self.tensor_parallel_size == 1
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling: expected a boolean, got {self.async_scheduling!r}")
         if self.async_scheduling and self.speculative_config is not None:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ENV_STEP_MS = "NANOSERVE_SIMULATED_DEVICE_MS"
+from nanoserve.config import SIMULATED_DEVICE_ENV
+
+ENV_STEP_MS = SIMULATED_DEVICE_ENV
 ENV_WAIT = "NANOSERVE_SIMULATED_DEVICE_WAIT"
 WAITS = ("sync", "launch", "spin")
 
