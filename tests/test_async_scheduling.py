@@ -115,7 +115,7 @@ def assert_same_but_the_floats(outputs: dict, reference: dict) -> None:
 def test_async_outputs_are_the_synchronous_ones(qwen3_dir, abort_after):
     """Field by field on the CPU; on a GPU a matmul's floats may depend on the batch's size, which a row that
     computes in vain changes."""
-    sync = outputs_of(engine_config(qwen3_dir), abort_after)
+    sync = outputs_of(engine_config(qwen3_dir, async_scheduling=False), abort_after)
     async_ = outputs_of(engine_config(qwen3_dir, async_scheduling=True), abort_after)
     if ON_CUDA:
         assert_same_but_the_floats(async_, sync)
@@ -128,7 +128,7 @@ def test_async_outputs_are_the_synchronous_ones(qwen3_dir, abort_after):
 @pytest.mark.parametrize("abort_after", [1, 6])
 def test_async_outputs_under_preemption_are_the_synchronous_ones(qwen3_dir, abort_after):
     """14 KV blocks: requests are preempted (where, differs: a row that finished at step N still runs in N+1)."""
-    sync = outputs_of(engine_config(qwen3_dir, num_kvcache_blocks=14), abort_after)
+    sync = outputs_of(engine_config(qwen3_dir, num_kvcache_blocks=14, async_scheduling=False), abort_after)
     async_ = outputs_of(engine_config(qwen3_dir, num_kvcache_blocks=14, async_scheduling=True), abort_after)
     assert_same_but_the_floats(async_, sync)
 

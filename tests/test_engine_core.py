@@ -90,7 +90,7 @@ def summary(outputs: dict[str, list[RequestOutput]]) -> dict:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_core_process_serves_what_the_engine_serves_in_process(config, tokenizer, async_scheduling):
     """The in-process engine steps synchronously; the core, with async scheduling or without, serves the same."""
-    engine = LLMEngine(config)
+    engine = LLMEngine(dataclasses.replace(config, async_scheduling=False))
     results = queue.Queue()
     thread = EngineThread(engine, results).start()
     try:

@@ -33,10 +33,13 @@ class SampledSeqs:
 @dataclass
 class ScheduledStep:
     """Async scheduling: a step scheduled (its effect on the columns applied, its sampled tokens placeholders)
-    whose tokens are not known yet: its rows' sequences, and their computed tokens after it."""
+    whose tokens are not known yet: its rows' sequences, their computed tokens after it, and their lengths (with
+    the step's tokens) and length limits, as update() takes them from the columns."""
     out: SchedulerOutput
     seqs: list[Sequence]
     computed: np.ndarray
+    num_tokens: np.ndarray
+    max_num_tokens: np.ndarray
     registered: bool = False  # the blocks it fills are in the prefix cache
 
 
@@ -161,7 +164,8 @@ class Scheduler:
         if self.async_scheduling:
             computed += counts
             num_tokens += out.samples  # placeholders for the tokens the step samples
-            self.scheduled.append(ScheduledStep(out, list(self.running), computed.copy()))
+            self.scheduled.append(ScheduledStep(out, list(self.running), computed.copy(), num_tokens.copy(),
+                                                columns[4].copy()))
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[np.ndarray, int]:
@@ -360,12 +364,12 @@ class Scheduler:
         self._register_step(step)
         samples = step.out.samples
         sampled = list(compress(step.seqs, samples)) if np.count_nonzero(samples) < len(samples) else step.seqs
-        keep = np.fromiter((not seq.is_finished for seq in sampled), bool, len(sampled))
-        seqs = list(compress(sampled, keep))
+        keep = np.ones(len(sampled), bool)
+        keep[[row for row, seq in enumerate(sampled) if seq.status is SequenceStatus.FINISHED]] = False
+        seqs = sampled if keep.all() else list(compress(sampled, keep))
         for seq, token_id in zip(seqs, sampled_token_ids[keep].tolist()):
             seq.token_ids.append(token_id)
-        num_tokens = np.fromiter((len(seq.token_ids) for seq in seqs), np.int64, len(seqs))
-        max_num_tokens = np.fromiter((seq.max_num_tokens for seq in seqs), np.int64, len(seqs))
+        num_tokens, max_num_tokens = step.num_tokens[samples][keep], step.max_num_tokens[samples][keep]
         scored = [] if np.count_nonzero(samples) == len(samples) else [
             seq for seq, computed, sampling in zip(step.seqs, step.computed.tolist(), samples.tolist())
             if not sampling and seq.status is SequenceStatus.RUNNING and computed == len(seq.token_ids)]
