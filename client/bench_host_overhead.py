@@ -157,13 +157,18 @@ def main() -> None:
                         help="with --host-only: the stand-in forward reads this many MB, evicting the CPU caches")
     parser.add_argument("--host-only", action="store_true",
                         help="forward, LM head and sampler replaced by outputs made beforehand (see above)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine argument (default: the engine's default for --device)")
     args = parser.parse_args()
     model = args.model
     if model is None:
         from nanoserve.tiny_model import build_tiny_model
         model = build_tiny_model(tempfile.mkdtemp(prefix="nanoserve-overhead-"), "qwen3")
     for mode, n in [(mode, n) for mode in args.modes for n in args.num_seqs]:
-        r = measure(model, n, args.steps, {"device": args.device, "max_model_len": 512}, args.phases,
+        engine_args = {"device": args.device, "max_model_len": 512}
+        if args.async_scheduling is not None:
+            engine_args["async_scheduling"] = args.async_scheduling
+        r = measure(model, n, args.steps, engine_args, args.phases,
                     stream=mode == "stream", host_only=args.host_only, evict_mb=args.evict_mb)
         print(f"{mode:8s}  seqs={r['num_seqs']:4d}  step={r['step']:8.0f} us  forward={r['forward']:8.0f} us  "
               f"host overhead={r['overhead']:6.0f} us  (cpu time: {r['overhead_cpu']:6.0f} us)")
